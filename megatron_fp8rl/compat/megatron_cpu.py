@@ -1,0 +1,217 @@
+"""Run the real megatron-core on a machine without CUDA (the CPU tier).
+
+Owns: the patches that let Megatron-Core's GPTModel, pipeline schedules, DDP, optimizers and
+dist_checkpointing run on CPU tensors with the gloo backend. Must not import anything of ours above
+layer L1.
+
+Tested megatron-core versions: 0.16.1 (TESTED_VERSIONS). On any other version `enable()` raises
+rather than patching code it has not been checked against.
+
+What fails unpatched on CPU, and what each patch does (see ../shared/DESIGN.md):
+- `torch.cuda.current_device/synchronize/set_device/manual_seed/get_rng_state/set_rng_state/
+  current_stream/Stream/Event` are called unconditionally. They are redirected to CPU
+  equivalents (the CPU default generator stands in for "the" CUDA generator).
+- `megatron.core.tensor_parallel.random._get/_set_cuda_rng_state` reach into
+  `torch.cuda.default_generators`; redirected to the CPU generator, so Megatron's RNG tracker forks
+  (model-parallel vs data-parallel seeds) keep their semantics.
+- Factory calls with `device="cuda"` / `device=torch.cuda.current_device()`, `.cuda()`,
+  `.pin_memory()` and `.to("cuda")` appear in the schedules, the memory buffer and p2p code. A
+  `TorchFunctionMode` rewrites any CUDA device argument to CPU.
+- The optimizers check `param.type() == 'torch.cuda.FloatTensor'`. Under the mode `Tensor.type()`
+  reports CPU float tensors under their CUDA type names, so those checks see the dtype they test.
+
+Usage: entry points call `enable()` once, explicitly, before building models (never as an import
+side effect). It is a no-op when CUDA is available. `disable()` undoes it (tests).
+"""
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+TESTED_VERSIONS = ("0.16.1",)
+
+_CPU = torch.device("cpu")
+_saved: dict[tuple[object, str], object] = {}
+_mode: "_CudaToCpuMode | None" = None
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    """megatron-core is at a version the CPU compatibility layer was not tested on."""
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare index means a CUDA ordinal in torch's device parsing
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites every request for a CUDA device into a CPU one."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if kwargs.pop("pin_memory", False):
+            pass  # pinned host memory is a CUDA concept
+        if func is torch.Tensor.to:
+            args = tuple(_CPU if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """CPU stand-in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None):
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _NullEvent:
+    """CPU stand-in for torch.cuda.Event."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def _null_stream_context(stream):
+    return _NullStream()
+
+
+def _cpu_get_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _patch(owner: object, name: str, value: object) -> None:
+    _saved.setdefault((owner, name), getattr(owner, name))
+    setattr(owner, name, value)
+
+
+class _SameContextRngWarningFilter(logging.Filter):
+    """On CPU the "CUDA" generator is the CPU generator, so Megatron's warning that the CPU RNG
+    state changed inside an RNG-tracker fork is expected and says nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_RNG_FILTER = _SameContextRngWarningFilter()
+
+
+def check_version() -> str:
+    """Return the installed megatron-core version; raise if the shims were not tested on it."""
+    version = metadata.version("megatron-core")
+    if version not in TESTED_VERSIONS:
+        raise UnsupportedMegatronVersion(
+            f"megatron-core {version} is installed, but the CPU compatibility layer "
+            f"(megatron_fp8rl/compat/megatron_cpu.py) was tested on {', '.join(TESTED_VERSIONS)} only. "
+            "Install a tested version (pip install -e '.[cpu]') or check the patches against "
+            f"{version} and add it to TESTED_VERSIONS."
+        )
+    return version
+
+
+def is_enabled() -> bool:
+    """True while the CPU patches are active."""
+    return _mode is not None
+
+
+def enable() -> bool:
+    """Activate the CPU patches unless CUDA is available. Returns True if they are active."""
+    global _mode
+    if torch.cuda.is_available():
+        return False
+    if _mode is not None:
+        return True
+    check_version()
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    cuda = torch.cuda
+    _patch(cuda, "current_device", lambda: _CPU)
+    _patch(cuda, "set_device", lambda device: None)
+    _patch(cuda, "device_count", lambda: 0)
+    _patch(cuda, "synchronize", lambda device=None: None)
+    _patch(cuda, "manual_seed", torch.manual_seed)
+    _patch(cuda, "manual_seed_all", torch.manual_seed)
+    _patch(cuda, "get_rng_state", _cpu_get_rng_state)
+    _patch(cuda, "set_rng_state", _cpu_set_rng_state)
+    _patch(cuda, "current_stream", lambda device=None: _NullStream())
+    _patch(cuda, "default_stream", lambda device=None: _NullStream())
+    _patch(cuda, "stream", _null_stream_context)
+    _patch(cuda, "Stream", _NullStream)
+    _patch(cuda, "Event", _NullEvent)
+    _patch(cuda.random, "get_rng_state", _cpu_get_rng_state)
+    _patch(cuda.random, "set_rng_state", _cpu_set_rng_state)
+    _patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+    logging.getLogger(mcore_random.__name__).addFilter(_RNG_FILTER)
+    _mode = _CudaToCpuMode()
+    _mode.__enter__()
+    return True
+
+
+def disable() -> None:
+    """Undo `enable()`: restore every patched attribute and leave the function mode."""
+    global _mode
+    if _mode is None:
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    for (owner, name), value in reversed(list(_saved.items())):
+        setattr(owner, name, value)
+    _saved.clear()
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    logging.getLogger(mcore_random.__name__).removeFilter(_RNG_FILTER)

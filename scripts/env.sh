@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create or reuse the checkout's virtual environment (.venv) and install the CPU tier into it.
+# Sourced by scripts/demo.sh and scripts/test.sh. Reinstalls only when setup.py or this file change.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.megatron_fp8rl-installed"
+want="$(cat "$ROOT/setup.py" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1)"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[env] creating $VENV"
+  python3 -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  echo "[env] installing megatron_fp8rl[cpu,dev] into $VENV (first run: a few minutes)"
+  start=$(date +%s)
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip setuptools wheel
+  # torch first and pinned: an unpinned resolution would pull a multi-GB CUDA build.
+  "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[cpu,dev]"
+  echo "$want" > "$STAMP"
+  echo "[env] installed in $(( $(date +%s) - start )) s"
+fi
+export PATH="$VENV/bin:$PATH"
+export VIRTUAL_ENV="$VENV"

