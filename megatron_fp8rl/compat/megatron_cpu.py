@@ -126,6 +126,10 @@ def _null_stream_context(stream):
     return _NullStream()
 
 
+def _cpu_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
 def _cpu_get_rng_state(*args, **kwargs) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -183,8 +187,9 @@ def enable() -> bool:
     _patch(cuda, "set_device", lambda device: None)
     _patch(cuda, "device_count", lambda: 0)
     _patch(cuda, "synchronize", lambda device=None: None)
-    _patch(cuda, "manual_seed", torch.manual_seed)
-    _patch(cuda, "manual_seed_all", torch.manual_seed)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
+    _patch(cuda, "manual_seed", _cpu_manual_seed)
+    _patch(cuda, "manual_seed_all", lambda seed: None)
     _patch(cuda, "get_rng_state", _cpu_get_rng_state)
     _patch(cuda, "set_rng_state", _cpu_set_rng_state)
     _patch(cuda, "current_stream", lambda device=None: _NullStream())

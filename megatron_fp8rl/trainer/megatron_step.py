@@ -1,0 +1,160 @@
+"""One Megatron-Core optimizer step over micro-batches, at any TP/PP/DP layout.
+
+Owns: Megatron DDP wrapping, the Megatron optimizer, and the call into Megatron's pipeline schedule.
+Must not import: cli. The RL loss is passed in as a function; this module knows no RL.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+# A micro-batch is a dict of tensors; the loss function maps (micro-batch, model output) to
+# (scalar loss, metrics dict). Model output is [batch, seq] per-token losses or logits.
+MicroBatch = dict[str, torch.Tensor]
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+ForwardFn = Callable[[torch.nn.Module, MicroBatch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer settings for the actor."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over the data-parallel group (Megatron's distributed optimizer)."""
+
+
+def wrap_ddp(model: torch.nn.Module, distributed_optimizer: bool) -> DistributedDataParallel:
+    """Megatron DDP with fp32 grad buffers (required by the distributed optimizer)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    # Megatron's schedule calls this after the last backward: without it DP gradients are never
+    # reduced and tied embedding gradients are never summed across the first and last stages.
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_optimizer(model: DistributedDataParallel, cfg: OptimConfig) -> MegatronOptimizer:
+    """Megatron's Adam(W) over the DDP-wrapped model chunk."""
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        clip_grad=cfg.clip_grad,
+        use_distributed_optimizer=cfg.distributed_optimizer,
+        bf16=model.config.bf16,
+        fp16=model.config.fp16,
+        params_dtype=model.config.params_dtype,
+    )
+    return get_megatron_optimizer(config, [model])
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (loss metrics are averaged over micro-batches and DP)."""
+
+    metrics: dict[str, float]
+    grad_norm: float
+    update_successful: bool
+
+
+def train_step(
+    model: DistributedDataParallel,
+    optimizer: MegatronOptimizer,
+    micro_batches: list[MicroBatch],
+    forward_fn: ForwardFn,
+    loss_fn: LossFn,
+    seq_length: int,
+) -> StepResult:
+    """Forward/backward over `micro_batches` through Megatron's schedule, then one optimizer step.
+
+    The schedule divides each micro-batch loss by the number of micro-batches; DDP averages
+    gradients over data-parallel ranks. Metrics come back on every rank (broadcast from the last
+    pipeline stage and averaged over DP).
+    """
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module):
+        batch = next(data_iterator)
+        output = forward_fn(chunk, batch)
+        return output, lambda out: _detached_metrics(*loss_fn(batch, out))
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=next(iter(micro_batches[0].values())).shape[0],
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    return StepResult(
+        metrics=_reduce_metrics(losses),
+        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+        update_successful=bool(update_successful),
+    )
+
+
+def _detached_metrics(
+    loss: torch.Tensor, metrics: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Copy metrics out of the autograd graph. Megatron's schedule divides the returned loss by the
+    number of micro-batches *in place*, so a metric that aliases the loss would be divided too."""
+    return loss, {name: value.detach().clone() for name, value in metrics.items()}
+
+
+def _reduce_metrics(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Average metrics over micro-batches and DP ranks; broadcast from the last pipeline stage."""
+    names = sorted(per_micro_batch[0]) if per_micro_batch else []
+    device = _comm_device()
+    count = torch.tensor([len(names)], dtype=torch.float64, device=device)
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    torch.distributed.broadcast(count, src=last, group=pp_group)
+    values = torch.zeros(int(count.item()), dtype=torch.float64, device=device)
+    if per_micro_batch:
+        values = torch.stack(
+            [torch.stack([mb[n].detach().double().reshape(()) for mb in per_micro_batch]).mean()
+             for n in names]
+        ).to(device)
+    torch.distributed.broadcast(values, src=last, group=pp_group)
+    dp_group = parallel_state.get_data_parallel_group()
+    torch.distributed.all_reduce(values, group=dp_group)
+    values /= torch.distributed.get_world_size(dp_group)
+    names_list = [names]
+    torch.distributed.broadcast_object_list(names_list, src=last, group=pp_group)
+    return dict(zip(names_list[0], values.tolist()))
+
+
+def _comm_device() -> torch.device:
+    """Where collective buffers live: the current GPU under NCCL, the CPU under gloo."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
