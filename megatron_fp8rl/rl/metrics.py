@@ -1,0 +1,92 @@
+"""Per-step RL metrics of DESIGN.md's RL section that come from per-token tensors.
+
+Owns: clip fractions, importance-ratio statistics, train/rollout mismatch statistics and the
+entropy mean. Every function returns a dict of detached 0-dim tensors (no host sync); the trainer
+turns them into tensorboard scalars. Tokens outside `response_mask` never count; with no token
+left, means are 0 and min/max are NaN (nothing to report).
+Must not import: anything from megatron_fp8rl outside rl/, megatron, or model code (layer L0).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_fp8rl.rl.common import check_same_shape, float_mask, masked_mean
+
+
+def _masked_extrema(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = mask.bool()
+    nan = values.new_tensor(float("nan"))
+    any_kept = keep.any()
+    smallest = torch.where(keep, values, float("inf")).amin()
+    largest = torch.where(keep, values, float("-inf")).amax()
+    return torch.where(any_kept, smallest, nan), torch.where(any_kept, largest, nan)
+
+
+@torch.no_grad()
+def clip_metrics(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Which tokens the PPO clip silenced, and the spread of the ratio. All inputs [B, T].
+
+        clip_frac_high  fraction of tokens with A > 0 and r > 1 + ε_high   (upper clip active)
+        clip_frac_low   fraction of tokens with A < 0 and r < 1 − ε_low    (lower clip active)
+        dual_clip_frac  fraction of tokens with A < 0 and r > c            (0 without dual clip)
+        ratio_min / ratio_mean / ratio_max over the response tokens
+    """
+    check_same_shape("ratio", ratio, advantages=advantages, response_mask=response_mask)
+    ratio = ratio.detach().float()
+    mask = float_mask("response_mask", response_mask, ratio)
+    positive, negative = advantages > 0, advantages < 0
+    high = (positive & (ratio > 1 + clip_high)).float()
+    low = (negative & (ratio < 1 - clip_low)).float()
+    dual = (negative & (ratio > dual_clip)).float() if dual_clip is not None else torch.zeros_like(ratio)
+    ratio_min, ratio_max = _masked_extrema(ratio, mask)
+    return {
+        "clip_frac_high": masked_mean(high, mask),
+        "clip_frac_low": masked_mean(low, mask),
+        "dual_clip_frac": masked_mean(dual, mask),
+        "ratio_min": ratio_min,
+        "ratio_mean": masked_mean(ratio, mask),
+        "ratio_max": ratio_max,
+    }
+
+
+@torch.no_grad()
+def mismatch_metrics(
+    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the trainer's and the rollout engine's logprobs of the sampled tokens disagree.
+
+    With Δ_t = log π_train(y_t) − log π_rollout(y_t) on the tokens the rollout sampled ([B, T]):
+        mismatch_abs_logprob_diff_mean / _max   mean and max of |Δ|
+        mismatch_k3_kl    KL(π_rollout ‖ π_train) by the k3 estimator: mean of exp(Δ) − 1 − Δ
+        mismatch_prob_error   token multiplicative probability error exp(mean |Δ|)
+    """
+    check_same_shape("train_logprobs", train_logprobs, rollout_logprobs=rollout_logprobs,
+                     response_mask=response_mask)
+    delta = (train_logprobs.detach() - rollout_logprobs.detach()).float()
+    mask = float_mask("response_mask", response_mask, delta)
+    abs_delta = delta.abs()
+    mean_abs = masked_mean(abs_delta, mask)
+    _, max_abs = _masked_extrema(abs_delta, mask)
+    k3 = torch.expm1(delta.clamp(max=20.0)) - delta
+    return {
+        "mismatch_abs_logprob_diff_mean": mean_abs,
+        "mismatch_abs_logprob_diff_max": max_abs,
+        "mismatch_k3_kl": masked_mean(k3, mask),
+        "mismatch_prob_error": mean_abs.exp(),
+    }
+
+
+@torch.no_grad()
+def entropy_metrics(entropy: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean per-token policy entropy (nats) over the response tokens; entropy is [B, T]."""
+    check_same_shape("entropy", entropy, response_mask=response_mask)
+    entropy = entropy.detach().float()
+    return {"entropy": masked_mean(entropy, float_mask("response_mask", response_mask, entropy))}

@@ -1,0 +1,53 @@
+"""RL step metrics against hand-worked numbers; padding never counts."""
+import math
+
+import pytest
+
+import torch
+
+from megatron_fp8rl.rl.metrics import clip_metrics, entropy_metrics, mismatch_metrics
+
+
+def test_clip_metrics_hand_case():
+    ratio = torch.tensor([[1.5, 0.7, 1.0, 9.0], [0.5, 4.0, 1.1, 100.0]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, 1.0], [-1.0, -1.0, 0.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)  # 9.0 and 100.0 are padding
+    metrics = clip_metrics(ratio, advantages, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    # Upper clip: 1.5 (A>0). Lower clip: 0.5 (A<0). Dual clip: 4.0 (A<0, > 3).
+    assert metrics["clip_frac_high"].item() == pytest.approx(1 / 6)
+    assert metrics["clip_frac_low"].item() == pytest.approx(1 / 6)
+    assert metrics["dual_clip_frac"].item() == pytest.approx(1 / 6)
+    assert metrics["ratio_min"].item() == 0.5
+    assert metrics["ratio_max"].item() == 4.0
+    assert math.isclose(metrics["ratio_mean"].item(), (1.5 + 0.7 + 1.0 + 0.5 + 4.0 + 1.1) / 6, rel_tol=1e-6)
+
+
+def test_clip_metrics_without_dual_clip_reports_zero():
+    ratio = torch.tensor([[10.0]])
+    metrics = clip_metrics(ratio, -torch.ones(1, 1), torch.ones(1, 1), clip_low=0.2, clip_high=0.2)
+    assert metrics["dual_clip_frac"].item() == 0.0
+
+
+def test_mismatch_metrics_hand_case():
+    delta = torch.tensor([[math.log(2.0), -math.log(2.0), 0.0, 5.0]])
+    rollout = torch.full((1, 4), -1.0)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    metrics = mismatch_metrics(rollout + delta, rollout, mask)
+    ln2 = math.log(2.0)
+    assert math.isclose(metrics["mismatch_abs_logprob_diff_mean"].item(), 2 * ln2 / 3, rel_tol=1e-6)
+    assert math.isclose(metrics["mismatch_abs_logprob_diff_max"].item(), ln2, rel_tol=1e-6)
+    # k3 = exp(Δ) - 1 - Δ: (1 - ln2) + (-0.5 + ln2) + 0 = 0.5 over 3 tokens.
+    assert math.isclose(metrics["mismatch_k3_kl"].item(), 0.5 / 3, rel_tol=1e-5)
+    assert math.isclose(metrics["mismatch_prob_error"].item(), math.exp(2 * ln2 / 3), rel_tol=1e-6)
+
+
+def test_empty_mask_gives_zero_means_and_nan_extrema():
+    metrics = mismatch_metrics(torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2))
+    assert metrics["mismatch_abs_logprob_diff_mean"].item() == 0.0
+    assert math.isnan(metrics["mismatch_abs_logprob_diff_max"].item())
+
+
+def test_entropy_metric_is_masked_mean():
+    entropy = torch.tensor([[1.0, 2.0, 50.0], [3.0, 70.0, 80.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert entropy_metrics(entropy, mask)["entropy"].item() == 2.0
