@@ -1,0 +1,83 @@
+"""DESIGN.md's import direction: a module imports only from layers below its own, and subpackages of
+one layer do not import each other. Lazy imports inside functions count too."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_fp8rl"
+# cli.py and launch.py are one unit: the entry-point layer.
+LAYERS = {
+    "fp8": 0, "rl": 0,
+    "config": 1, "compat": 1,
+    "models": 2, "convert": 2, "rollout": 2, "data": 2,
+    "trainer": 3,
+    "cli": 4, "launch": 4,
+}
+UNIT = {"launch": "cli"}
+
+
+def _unit(name: str) -> str:
+    return UNIT.get(name, name)
+
+
+def _component(module_path: Path) -> str:
+    rel = module_path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imported_components(source: str) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "megatron_fp8rl":
+                names = [f"megatron_fp8rl.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            raise AssertionError(f"line {node.lineno}: relative import; use absolute megatron_fp8rl imports")
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "megatron_fp8rl" and len(parts) > 1:
+                found.append((node.lineno, parts[1]))
+    return found
+
+
+def violations(component: str, source: str) -> list[str]:
+    """Imports in `source` (a module of `component`) that break the layering."""
+    if component not in LAYERS:
+        return [f"component {component!r} has no layer in DESIGN.md's table"]
+    bad = []
+    for lineno, target in _imported_components(source):
+        if target not in LAYERS:
+            bad.append(f"line {lineno}: imports unknown component {target!r}")
+        elif _unit(target) == _unit(component):
+            continue
+        elif LAYERS[target] >= LAYERS[component]:
+            bad.append(f"line {lineno}: {component} (L{LAYERS[component]}) imports {target} (L{LAYERS[target]})")
+    return bad
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(path: Path):
+    assert violations(_component(path), path.read_text()) == []
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_has_docstring(path: Path):
+    """STYLE.md: each module's top docstring says what it owns (and what it must not import)."""
+    assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
+
+
+def test_checker_flags_upward_and_sideways_imports():
+    assert violations("fp8", "from megatron_fp8rl.compat import megatron_cpu") != []
+    assert violations("models", "def f():\n    import megatron_fp8rl.convert.hf") != []
+    assert violations("rl", "from megatron_fp8rl import trainer") != []
+    assert violations("trainer", "from megatron_fp8rl.models.gpt import build_gpt_model") == []
+    assert violations("cli", "from megatron_fp8rl.launch import init_distributed") == []
