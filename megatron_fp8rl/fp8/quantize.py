@@ -1,0 +1,167 @@
+"""Saturating FP8 quantize / dequantize: per tensor, per row, and blockwise.
+
+Owns: the arithmetic of one quantization, `q = saturate(x * scale)` stored as FP8 with the
+dequantization multiplier `scale_inv = 1 / scale`, at three granularities:
+- per tensor: one scale;
+- per row: one scale per row (per token for activations, per output channel for weights);
+- blockwise: one scale per (bn x bk) block, 128x128 for weights [N, K] (the DeepSeek / SGLang
+  `weight_scale_inv` layout [ceil(N/128), ceil(K/128)]) and 1x128 per-token groups for
+  activations [M, K] (scale_inv [M, ceil(K/128)]).
+Also the scale-from-bound formula shared with TE's delayed scaling (`scale_from_bound`).
+
+Saturation: every finite or infinite input is clamped to +-fp8_max before the cast, so an
+overflowing input never becomes NaN (E4M3 has no inf; E5M2's inf is never produced). NaN stays NaN.
+Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron_fp8rl.fp8.formats import Fp8Format
+
+FP32_MAX = torch.finfo(torch.float32).max
+WEIGHT_BLOCK = (128, 128)
+"""Block shape for weights [N, K] (DeepSeek / SGLang checkpoint format)."""
+ACTIVATION_BLOCK = (1, 128)
+"""Block shape for activations [M, K]: per token, per group of 128 channels."""
+
+GRANULARITIES = ("tensor", "row", "block")
+
+
+@dataclass
+class Fp8Tensor:
+    """A quantized tensor: FP8 data and the FP32 multiplier(s) that dequantize it."""
+
+    data: torch.Tensor
+    """FP8 values, same shape as the high-precision tensor."""
+    scale_inv: torch.Tensor
+    """Dequantization multiplier: shape [] (tensor), [..., 1] (row) or [nb, kb] (block)."""
+    granularity: str
+    """'tensor', 'row' or 'block'."""
+    block: tuple[int, int] | None = None
+    """Block shape for granularity 'block'."""
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x ≈ q * scale_inv, in `dtype`."""
+        if self.granularity == "block":
+            return dequantize_blockwise(self.data, self.scale_inv, self.block).to(dtype)
+        return dequantize(self.data, self.scale_inv).to(dtype)
+
+    def t(self) -> "Fp8Tensor":
+        """The transpose of a 2-D per-tensor quantized matrix (exact: the scale is shared)."""
+        if self.granularity != "tensor" or self.data.dim() != 2:
+            raise ValueError(
+                f"only 2-D per-tensor Fp8Tensors transpose exactly; found granularity "
+                f"{self.granularity!r} with shape {tuple(self.data.shape)}"
+            )
+        return Fp8Tensor(self.data.t().contiguous(), self.scale_inv, "tensor")
+
+
+def amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |x| in fp32 (over `dim`, or all elements); NaN propagates, so a NaN amax tells the
+    delayed-scaling update to keep its old scale (TE semantics)."""
+    absolute = x.detach().abs().float()
+    if dim is None:
+        return absolute.amax() if absolute.numel() else absolute.new_zeros(())
+    return absolute.amax(dim=dim, keepdim=keepdim)
+
+
+def finite_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |x| over the finite elements only (0 when there are none), in fp32."""
+    absolute = x.detach().abs().float()
+    absolute = torch.where(torch.isfinite(absolute), absolute, torch.zeros_like(absolute))
+    if dim is None:
+        return absolute.amax() if absolute.numel() else absolute.new_zeros(())
+    return absolute.amax(dim=dim, keepdim=keepdim)
+
+
+def scale_from_bound(
+    bound: torch.Tensor, fp8_max: float, margin: int = 0, old_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """TE's delayed-scaling formula: scale = (fp8_max / bound) / 2**margin.
+
+    `bound` is the value that maps to fp8_max / 2**margin (TE calls it amax). Where the bound is
+    <= 0, NaN or inf the old scale is kept (1.0 when none is given); a scale that overflows fp32
+    (tiny bound) becomes FP32_MAX. Elementwise over any shape; returns fp32 of bound's shape.
+    """
+    bound = bound.float()
+    if old_scale is None:
+        old_scale = torch.ones_like(bound)
+    old_scale = old_scale.float().expand_as(bound)
+    scale = (fp8_max / bound) / (2**margin)
+    scale = torch.where(bound > 0.0, scale, old_scale)
+    scale = torch.where(torch.isfinite(bound), scale, old_scale)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """q = cast_fp8(clamp(x * scale, -fp8_max, fp8_max)); `scale` broadcasts against x.
+
+    The product is formed in fp32 and rounded once to FP8 (round to nearest even). Infinite
+    inputs saturate to +-fp8_max, NaN stays NaN, -0 stays -0.
+    """
+    scaled = x.float() * scale.float()
+    return scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """x ≈ float(q) * scale_inv, fp32; `scale_inv` broadcasts against q."""
+    return q.float() * scale_inv.float()
+
+
+def quantize_per_tensor(
+    x: torch.Tensor, fmt: Fp8Format, bound: torch.Tensor | None = None, margin: int = 0
+) -> Fp8Tensor:
+    """One scale for all of x: scale = scale_from_bound(bound or finite amax(x)); any shape."""
+    bound = finite_amax(x) if bound is None else bound.float().reshape(())
+    scale = scale_from_bound(bound, fmt.max, margin)
+    return Fp8Tensor(quantize(x, scale, fmt), scale.reciprocal(), "tensor")
+
+
+def quantize_per_row(x: torch.Tensor, fmt: Fp8Format, margin: int = 0) -> Fp8Tensor:
+    """One scale per row of x [..., K] from each row's finite amax; scale_inv [..., 1]."""
+    scale = scale_from_bound(finite_amax(x, dim=-1, keepdim=True), fmt.max, margin)
+    return Fp8Tensor(quantize(x, scale, fmt), scale.reciprocal(), "row")
+
+
+def _block_view(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+    """Zero-pad x [N, K] to block multiples and view it as [nb, bn, kb, bk]."""
+    if x.dim() != 2:
+        raise ValueError(f"blockwise quantization expects a 2-D tensor, found shape {tuple(x.shape)}")
+    bn, bk = block
+    rows, cols = x.shape
+    nb, kb = math.ceil(rows / bn), math.ceil(cols / bk)
+    padded = torch.nn.functional.pad(x.float(), (0, kb * bk - cols, 0, nb * bn - rows))
+    return padded.view(nb, bn, kb, bk), nb, kb
+
+
+def quantize_blockwise(
+    x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int] = WEIGHT_BLOCK, margin: int = 0
+) -> Fp8Tensor:
+    """One scale per (bn x bk) block of x [N, K]; scale_inv [ceil(N/bn), ceil(K/bk)].
+
+    Use WEIGHT_BLOCK (128x128) for weights and ACTIVATION_BLOCK (1x128) for activations and
+    gradients flattened to [tokens, channels]. An all-zero block gets scale 1.
+    """
+    blocks, nb, kb = _block_view(x, block)
+    bound = finite_amax(blocks, dim=(1, 3))
+    scale = scale_from_bound(bound, fmt.max, margin)
+    q = quantize(blocks, scale[:, None, :, None], fmt).view(nb * block[0], kb * block[1])
+    return Fp8Tensor(q[: x.shape[0], : x.shape[1]].contiguous(), scale.reciprocal(), "block", block)
+
+
+def dequantize_blockwise(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK
+) -> torch.Tensor:
+    """x ≈ q * scale_inv expanded over blocks; q [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]."""
+    expected = (math.ceil(q.shape[0] / block[0]), math.ceil(q.shape[1] / block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"scale_inv for a {tuple(q.shape)} tensor with {block} blocks must have shape "
+            f"{expected}, found {tuple(scale_inv.shape)}"
+        )
+    full = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * full[: q.shape[0], : q.shape[1]]

@@ -1,0 +1,209 @@
+"""Stateful quantizers: one per tensor role of an FP8 GEMM, built from a recipe spec.
+
+Owns: the per-role quantizers (input and weight in the forward format, grad_output in the
+backward format) and their scaling state; `make_quantizers(recipe, group)` picks them:
+- `DelayedQuantizer`     TE delayed scaling (scaling.py): quantize with the current scale, then
+                         record the amax and update (the update TE runs after each autocast).
+- `CalibratedQuantizer`  our recipe (recipe.CalibratedDelayedScaling).
+- `CurrentQuantizer`     tensorwise current scaling, `BlockQuantizer` blockwise current scaling.
+Every `quantize` leaves `last_stats` (stats.QuantStats) for logging.
+Collectives: with a group of more than one rank, each `quantize` of a delayed or calibrated
+quantizer all-reduces once, so every rank must quantize the same roles in the same order.
+Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_fp8rl.fp8 import recipe as recipes
+from megatron_fp8rl.fp8.calibration import calibrate_bound
+from megatron_fp8rl.fp8.formats import Fp8Format, recipe_formats
+from megatron_fp8rl.fp8.quantize import (
+    Fp8Tensor,
+    amax,
+    finite_amax,
+    quantize,
+    quantize_blockwise,
+    scale_from_bound,
+)
+from megatron_fp8rl.fp8.scaling import DelayedScalingState, all_reduce_max_, roll_amax_history_
+from megatron_fp8rl.fp8.stats import QuantStats, quantization_stats
+
+ROLES = ("input", "weight", "grad_output")
+
+
+def _per_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, recalibrated):
+    """Quantize x with one scale; returns (Fp8Tensor, QuantStats)."""
+    q = quantize(x, scale, fmt)
+    stats = quantization_stats(x, scale, q, fmt, recalibrated)
+    return Fp8Tensor(q, scale.reciprocal(), "tensor"), stats
+
+
+class CurrentQuantizer:
+    """Tensorwise current scaling: scale = (fp8_max / finite amax(x)) / 2**margin."""
+
+    def __init__(self, fmt: Fp8Format, margin: int = 0):
+        self.fmt, self.margin = fmt, margin
+        self.last_stats: QuantStats | None = None
+
+    def quantize(self, x: torch.Tensor) -> Fp8Tensor:
+        scale = scale_from_bound(finite_amax(x), self.fmt.max, self.margin)
+        result, self.last_stats = _per_tensor(x, scale, self.fmt, recalibrated=True)
+        return result
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, name: str = "quantizer") -> None:
+        return None
+
+
+class BlockQuantizer:
+    """Blockwise current scaling of a 2-D tensor (callers flatten activations to [tokens, K])."""
+
+    def __init__(self, fmt: Fp8Format, block: tuple[int, int]):
+        self.fmt, self.block = fmt, block
+        self.last_stats: QuantStats | None = None
+
+    def quantize(self, x: torch.Tensor) -> Fp8Tensor:
+        result = quantize_blockwise(x, self.fmt, self.block)
+        bn, bk = self.block
+        scale = result.scale_inv.reciprocal()
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: x.shape[0], : x.shape[1]]
+        self.last_stats = quantization_stats(x, full, result.data, self.fmt, recalibrated=True)
+        return result
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, name: str = "quantizer") -> None:
+        return None
+
+
+class DelayedQuantizer:
+    """TE delayed scaling: use the scale from history, then record amax(x) and update."""
+
+    def __init__(self, fmt: Fp8Format, spec: recipes.DelayedScaling, group=None):
+        self.fmt, self.spec, self.group = fmt, spec, group
+        self.state = DelayedScalingState(spec.amax_history_len)
+        self.last_stats: QuantStats | None = None
+
+    def quantize(self, x: torch.Tensor) -> Fp8Tensor:
+        self.state = _on_device(self.state, x.device)
+        result, self.last_stats = _per_tensor(x, self.state.scale, self.fmt, recalibrated=False)
+        self.state.record(amax(x))
+        group = self.group if self.spec.reduce_amax else None
+        self.state.update(self.spec.amax_compute_algo, self.fmt.max, self.spec.margin, group)
+        return result
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict, name: str = "quantizer") -> None:
+        self.state.load_state_dict(state, name)
+
+
+class CalibratedQuantizer:
+    """Our recipe for one role (see recipe.CalibratedDelayedScaling for the rules)."""
+
+    def __init__(
+        self, fmt: Fp8Format, spec: recipes.CalibratedDelayedScaling, is_weight: bool, group=None
+    ):
+        self.fmt, self.spec, self.group = fmt, spec, group
+        self.from_current = is_weight and spec.calibrate_weights_every_step
+        self.state = DelayedScalingState(spec.amax_history_len)
+        self.last_stats: QuantStats | None = None
+
+    def _reduce(self, values: torch.Tensor) -> torch.Tensor:
+        return all_reduce_max_(values, self.group if self.spec.reduce_amax else None)
+
+    def quantize(self, x: torch.Tensor) -> Fp8Tensor:
+        spec, state = self.spec, _on_device(self.state, x.device)
+        bound = calibrate_bound(x, spec.criterion, self.fmt, spec.saturation_budget)
+        if self.from_current:
+            bound = self._reduce(bound.reshape(1))[0]
+            recalibrate = torch.ones((), dtype=torch.bool, device=x.device)
+        else:
+            no_bound = (state.amax_history.amax() <= 0).float()
+            decision = self._reduce(torch.stack([bound, self._overflow(x), no_bound]))
+            bound = decision[0]
+            recalibrate = (decision[2] > 0) | (decision[1] > spec.overflow_tolerance)
+        fresh = scale_from_bound(bound, self.fmt.max, spec.margin, state.scale)
+        scale = torch.where(recalibrate, fresh, state.scale)
+        result, self.last_stats = _per_tensor(x, scale, self.fmt, recalibrated=recalibrate)
+        state.record(bound)
+        if self.from_current:
+            state.scale = scale
+            roll_amax_history_(state.amax_history)
+        else:
+            state.update("max", self.fmt.max, spec.margin, group=None)
+        return result
+
+    def _overflow(self, x: torch.Tensor) -> torch.Tensor:
+        """Fraction of x that would saturate under the predicted scale."""
+        scaled = (x.detach().float() * self.state.scale).abs()
+        saturated = (torch.isfinite(scaled) & (scaled > self.fmt.rounding_limit)).sum()
+        return saturated.float() / max(x.numel(), 1)
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict, name: str = "quantizer") -> None:
+        self.state.load_state_dict(state, name)
+
+
+def _on_device(state: DelayedScalingState, device: torch.device) -> DelayedScalingState:
+    """Move the scaling state to the device of the tensors it scales (lazily, once)."""
+    if state.scale.device != device:
+        state.amax_history = state.amax_history.to(device)
+        state.scale = state.scale.to(device)
+    return state
+
+
+@dataclass
+class Fp8Quantizers:
+    """The three quantizers of one FP8 linear layer."""
+
+    input: object
+    """Quantizer of the layer input (forward format)."""
+    weight: object
+    """Quantizer of the weight (forward format)."""
+    grad_output: object
+    """Quantizer of the output gradient (backward format)."""
+
+    def state_dict(self) -> dict:
+        """{role: quantizer state} (empty dicts for stateless quantizers)."""
+        return {role: getattr(self, role).state_dict() for role in ROLES}
+
+    def load_state_dict(self, state: dict, name: str = "fp8") -> None:
+        """Restore every role from `state_dict()`; KeyError naming a missing role."""
+        for role in ROLES:
+            if role not in state:
+                raise KeyError(f"{name}: FP8 scaling state has no {role!r} entry; found {sorted(state)}")
+            getattr(self, role).load_state_dict(state[role], f"{name}.{role}")
+
+    def stats(self) -> dict[str, QuantStats]:
+        """{role: statistics of its last quantization}, for roles that quantized already."""
+        found = {role: getattr(self, role).last_stats for role in ROLES}
+        return {role: stats for role, stats in found.items() if stats is not None}
+
+
+def make_quantizers(recipe: recipes.Fp8Recipe, group=None) -> Fp8Quantizers:
+    """The input / weight / grad_output quantizers `recipe` prescribes; `group` is the
+    amax-reduction process group (None: the default group, when torch.distributed runs)."""
+    forward, backward = recipe_formats(recipe.fp8_format)
+    if isinstance(recipe, recipes.CalibratedDelayedScaling):
+        make = lambda fmt, is_weight: CalibratedQuantizer(fmt, recipe, is_weight, group)  # noqa: E731
+    elif isinstance(recipe, recipes.DelayedScaling):
+        make = lambda fmt, is_weight: DelayedQuantizer(fmt, recipe, group)  # noqa: E731
+    elif isinstance(recipe, recipes.CurrentScaling):
+        make = lambda fmt, is_weight: CurrentQuantizer(fmt, recipe.margin)  # noqa: E731
+    elif isinstance(recipe, recipes.BlockwiseScaling):
+        make = lambda fmt, is_weight: BlockQuantizer(  # noqa: E731
+            fmt, recipe.weight_block if is_weight else recipe.activation_block
+        )
+    else:
+        raise TypeError(f"unknown FP8 recipe type {type(recipe).__name__}; use a megatron_fp8rl.fp8.recipe spec")
+    return Fp8Quantizers(make(forward, False), make(forward, True), make(backward, False))

@@ -1,0 +1,165 @@
+"""FP8 recipe specs: one small frozen dataclass per scaling strategy, validated where it is made.
+
+Owns: `CalibratedDelayedScaling` (our recipe, see DESIGN.md "Calibrated delayed scaling") and the
+baselines our FP8 linear offers: `DelayedScaling` (TE semantics; `te_default_delayed()` = history
+1024 'max', `megatron_default_delayed()` = history 1 'most_recent'), `CurrentScaling` (tensorwise,
+from each tensor's own amax) and `BlockwiseScaling` (128x128 weights, 1x128 activations and
+gradients). These specs are TE-free: our FP8 linear reads them directly, and
+megatron_fp8rl/compat/te_recipe.py translates `CalibratedDelayedScaling` into a subclass of TE's
+`DelayedScaling`, so both tiers compute scales from the same fields with the same functions.
+Must not import: megatron, transformer_engine, megatron_fp8rl.compat or anything above layer L0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from megatron_fp8rl.fp8.calibration import check_criterion
+from megatron_fp8rl.fp8.formats import recipe_formats
+from megatron_fp8rl.fp8.quantize import ACTIVATION_BLOCK, WEIGHT_BLOCK
+from megatron_fp8rl.fp8.scaling import check_amax_compute_algo
+
+
+def _check_common(fp8_format: str, margin: int) -> None:
+    recipe_formats(fp8_format)
+    if not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"margin must be an integer >= 0, found {margin!r}")
+
+
+@dataclass(frozen=True)
+class CalibratedDelayedScaling:
+    """Calibrated delayed scaling: bounds calibrated against the high-precision tensors.
+
+    Every quantized tensor gets a bound c (the value that maps to fp8_max / 2**margin) and the
+    scale (fp8_max / c) / 2**margin (TE's formula). Weights (when `calibrate_weights_every_step`)
+    take c = criterion(current weight) at every use. Activations and gradients take the bound
+    predicted before the tensor is seen: the max over the last `amax_history_len` recorded
+    criterion values; the live tensor is checked, and when more than `overflow_tolerance` of its
+    elements would saturate (or no bound exists yet) it is re-quantized at once with
+    c = criterion(live tensor). Recorded values and decisions are all-reduced (MAX) over the
+    amax-reduction group when `reduce_amax`. Scales update in no-grad passes too, so nothing
+    depends on a training forward having run first.
+    """
+
+    fp8_format: str = "hybrid"
+    """'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3'."""
+    margin: int = 1
+    """Headroom 2**margin above the bound; 1 keeps predicted bounds 2x above the recorded
+    ones, inside the range where E4M3's error is flat (DESIGN.md's measurement)."""
+    amax_history_len: int = 16
+    """Window: how many recorded steps the predicted bound takes the max over."""
+    criterion: str = "max"
+    """Calibration criterion: 'max', 'percentile' (saturation budget) or 'mse' (least error)."""
+    saturation_budget: float = 0.0
+    """'percentile': fraction of elements allowed above the bound, in [0, 1)."""
+    overflow_tolerance: float = 0.0
+    """Fraction of a live tensor allowed to saturate under the predicted bound before it is
+    recalibrated at once; must be >= saturation_budget, in [0, 1)."""
+    calibrate_weights_every_step: bool = True
+    """Weights: bound from the current values at every use (False: predicted like activations)."""
+    reduce_amax: bool = True
+    """All-reduce (MAX) recorded bounds over the amax-reduction group."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.fp8_format, self.margin)
+        check_criterion(self.criterion)
+        if self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be >= 1, found {self.amax_history_len}")
+        for name in ("saturation_budget", "overflow_tolerance"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), found {getattr(self, name)}")
+        if self.overflow_tolerance < self.saturation_budget:
+            raise ValueError(
+                f"overflow_tolerance ({self.overflow_tolerance}) must be >= saturation_budget "
+                f"({self.saturation_budget}), or every step saturating within budget would "
+                "trigger a recalibration"
+            )
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """TE's delayed scaling: scale from amax_compute_algo over an amax history, updated after
+    each use (row 0 latest); the first use of a quantizer runs with scale 1."""
+
+    fp8_format: str = "hybrid"
+    """'hybrid' or 'e4m3'."""
+    margin: int = 0
+    """scale = (fp8_max / amax) / 2**margin."""
+    amax_history_len: int = 1024
+    """History length (TE default 1024; Megatron-Core default 1)."""
+    amax_compute_algo: str = "max"
+    """'max' over the history or 'most_recent'."""
+    reduce_amax: bool = True
+    """All-reduce (MAX) amaxes over the amax-reduction group before the update."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.fp8_format, self.margin)
+        check_amax_compute_algo(self.amax_compute_algo)
+        if self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be >= 1, found {self.amax_history_len}")
+
+
+@dataclass(frozen=True)
+class CurrentScaling:
+    """Tensorwise current scaling: each tensor's scale from its own amax (TE's
+    Float8CurrentScaling)."""
+
+    fp8_format: str = "hybrid"
+    """'hybrid' or 'e4m3'."""
+    margin: int = 0
+    """scale = (fp8_max / amax) / 2**margin."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.fp8_format, self.margin)
+
+
+@dataclass(frozen=True)
+class BlockwiseScaling:
+    """Blockwise current scaling (TE's Float8BlockScaling, DeepSeek's checkpoint layout)."""
+
+    fp8_format: str = "e4m3"
+    """'e4m3' or 'hybrid'."""
+    weight_block: tuple[int, int] = WEIGHT_BLOCK
+    """Block of weights [N, K]."""
+    activation_block: tuple[int, int] = ACTIVATION_BLOCK
+    """Block of activations and gradients flattened to [tokens, channels]."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.fp8_format, 0)
+        for name in ("weight_block", "activation_block"):
+            block = tuple(getattr(self, name))
+            if len(block) != 2 or min(block) < 1:
+                raise ValueError(f"{name} must be two positive integers, found {block!r}")
+            object.__setattr__(self, name, block)
+
+
+Fp8Recipe = Union[CalibratedDelayedScaling, DelayedScaling, CurrentScaling, BlockwiseScaling]
+
+
+def te_default_delayed(fp8_format: str = "hybrid") -> DelayedScaling:
+    """TE's DelayedScaling defaults: history 1024, 'max', margin 0."""
+    return DelayedScaling(fp8_format=fp8_format, amax_history_len=1024, amax_compute_algo="max")
+
+
+def megatron_default_delayed(fp8_format: str = "hybrid") -> DelayedScaling:
+    """Megatron-Core's delayed defaults (fp8_amax_history_len=1, 'most_recent')."""
+    return DelayedScaling(
+        fp8_format=fp8_format, amax_history_len=1, amax_compute_algo="most_recent"
+    )
+
+
+RECIPE_NAMES = {
+    "calibrated": CalibratedDelayedScaling,
+    "te_delayed": te_default_delayed,
+    "megatron_delayed": megatron_default_delayed,
+    "tensorwise": CurrentScaling,
+    "blockwise": BlockwiseScaling,
+}
+"""Recipe name -> factory taking the recipe's keyword fields."""
+
+
+def recipe_by_name(name: str, **fields) -> Fp8Recipe:
+    """Build the recipe called `name` (see RECIPE_NAMES); ValueError listing the valid names."""
+    if name not in RECIPE_NAMES:
+        raise ValueError(f"unknown FP8 recipe {name!r}; valid: {', '.join(RECIPE_NAMES)}")
+    return RECIPE_NAMES[name](**fields)
