@@ -54,14 +54,32 @@ def build_gpt_model(
     layer_spec: ModuleSpec | None = None,
     rotary_base: float = 10000.0,
     tie_embeddings: bool = True,
+    device: torch.device | str | None = None,
 ) -> GPTModel:
     """The GPTModel chunk this process owns: embedding on the first stage, output layer on the last.
 
     `layer_spec` defaults to Megatron's local (non-TE) spec, which runs on the CPU tier.
+    `device` defaults to the current GPU when there is one, else the CPU; "meta" builds shapes
+    only (the config must then have `use_cpu_initialization=True`, or Megatron allocates on the
+    accelerator).
     """
     if layer_spec is None:
         layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    model = GPTModel(
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return _gpt_model(config, vocab_size, max_sequence_length, layer_spec, rotary_base,
+                              tie_embeddings)
+    model = _gpt_model(config, vocab_size, max_sequence_length, layer_spec, rotary_base,
+                       tie_embeddings)
+    if device is not None:
+        return model.to(device)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def _gpt_model(config, vocab_size, max_sequence_length, layer_spec, rotary_base, tie_embeddings):
+    return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=vocab_size,
@@ -72,6 +90,3 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=rotary_base,
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model

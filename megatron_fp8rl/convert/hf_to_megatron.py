@@ -1,0 +1,272 @@
+"""HF safetensors -> Megatron-Core torch_dist checkpoint, streamed one tensor chunk at a time.
+
+Owns: planning (which HF row ranges make each Megatron checkpoint chunk; missing, unexpected and
+mis-shaped tensors are reported before anything is written) and writing through
+torch.distributed.checkpoint (DCP) with a planner that materializes each chunk only when the
+writer asks for it, so peak memory is about one chunk plus its HF sources, not the model.
+
+The target layout comes from the caller: the `sharded_state_dict()` of the Megatron GPTModel built
+on the meta device (TP=1, PP=1; megatron_fp8rl.models.build_model_from_hf(..., device="meta")).
+The checkpoint stores global tensors, so Megatron loads it at any TP/PP (torch_dist reshards on
+load). The HF config and tokenizer are kept in the `hf/` folder inside the checkpoint, for the way
+back and for the rollout engine.
+Must not import: models, rollout, data, trainer, cli.
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+    apply_factories,
+    is_main_replica,
+)
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from tqdm import tqdm
+
+from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
+from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint
+from megatron_fp8rl.convert.tables import (
+    IGNORED_HF_SUFFIXES,
+    LAYER_PREFIX,
+    AttentionShape,
+    Rule,
+    hf_row_counts,
+    row_pieces,
+    table_for,
+)
+
+HF_SIDE_FOLDER = "hf"
+"""Folder inside a converted Megatron checkpoint holding the HF config and tokenizer files."""
+COMMON_FILE = "common.pt"
+
+
+@dataclass(frozen=True)
+class ChunkTask:
+    """One chunk of one Megatron checkpoint tensor and the HF rows it is made of."""
+
+    key: str
+    """Megatron checkpoint key."""
+    global_shape: tuple[int, ...]
+    """Shape of the whole (layer-stacked) tensor."""
+    offsets: tuple[int, ...]
+    """Where this chunk starts in the whole tensor."""
+    shape: tuple[int, ...]
+    """Chunk shape."""
+    dtype: torch.dtype
+    """Stored element type."""
+    sources: tuple[tuple[str, int, int, int], ...]
+    """(HF name, first HF row, row count, first chunk row) copies that fill the chunk."""
+    rows: int
+    """Rows of the chunk (dim 0 of one layer's slice)."""
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class ConversionPlan:
+    """Everything the writer needs; built and validated before any output exists."""
+
+    tasks: dict[tuple[str, tuple[int, ...]], ChunkTask]
+    """(key, offsets) -> chunk."""
+    objects: dict[str, bytes]
+    """ShardedObject unique key -> serialized object (extra states)."""
+    common: dict
+    """The non-sharded rest of the state dict (common.pt)."""
+
+
+def _split_layer(t: ShardedTensor) -> tuple[int | None, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(layer, per-layer global shape, per-layer offsets, chunk shape) of a sharded tensor."""
+    if t.flattened_range is not None:
+        raise CheckpointError(f"{t.key}: flattened (distributed-optimizer) tensors are not weights")
+    local = tuple(t.data.shape)
+    if t.key.startswith(LAYER_PREFIX):
+        if t.prepend_axis_num != 1:
+            raise CheckpointError(f"{t.key}: expected one stacked layer axis, found "
+                                  f"{t.prepend_axis_num}")
+        return t.global_offset[0], tuple(t.global_shape[1:]), tuple(t.global_offset[1:]), local
+    return None, tuple(t.global_shape), tuple(t.global_offset), local
+
+
+def _check_hf_shapes(rule: Rule, layer, layer_shape, pieces, checkpoint: HFCheckpoint) -> None:
+    for name, rows in zip(rule.hf_names(layer), hf_row_counts(rule, pieces)):
+        expected = (rows, *layer_shape[1:])
+        if name not in checkpoint.entries:
+            raise CheckpointError(f"missing HF tensor {name} (expected shape {expected}, for "
+                                  f"Megatron {rule.megatron})")
+        found = checkpoint.entries[name].shape
+        if found != expected:
+            raise CheckpointError(f"HF tensor {name}: expected shape {expected} (from Megatron "
+                                  f"{rule.megatron} {layer_shape}), found {found}")
+
+
+def _chunk_sources(rule, layer, pieces, row_start, rows) -> tuple[tuple[str, int, int, int], ...]:
+    """Intersect the rule's row pieces with chunk rows [row_start, row_start + rows)."""
+    names, sources, position = rule.hf_names(layer), [], 0
+    for index, start, end in pieces:
+        lo, hi = max(position, row_start), min(position + end - start, row_start + rows)
+        if lo < hi:
+            sources.append((names[index], start + lo - position, hi - lo, lo - row_start))
+        position += end - start
+    return tuple(sources)
+
+
+def _plan_tensor(t: ShardedTensor, rule: Rule, attention, checkpoint, dtype, checked) -> ChunkTask:
+    layer, layer_shape, offsets, local = _split_layer(t)
+    pieces = row_pieces(rule, attention, layer_shape[0])
+    if (rule.megatron, layer) not in checked:
+        _check_hf_shapes(rule, layer, layer_shape, pieces, checkpoint)
+        checked.add((rule.megatron, layer))
+    chunk_rows = local[0] if local else 1
+    if tuple(offsets[1:]) != (0,) * (len(offsets) - 1) or tuple(local[1:]) != layer_shape[1:]:
+        raise CheckpointError(f"{t.key}: chunk {local} at {offsets} splits columns; build the "
+                              "target model with tensor_parallel=1")
+    sources = _chunk_sources(rule, layer, pieces, offsets[0] if offsets else 0, chunk_rows)
+    source_dtypes = {checkpoint.entries[name].dtype for name, *_ in sources}
+    if len(source_dtypes) != 1:
+        raise CheckpointError(f"{t.key}: HF sources mix dtypes {sorted(map(str, source_dtypes))}")
+    return ChunkTask(t.key, tuple(t.global_shape), tuple(t.global_offset),
+                     local if layer is None else (1, *local), dtype or source_dtypes.pop(), sources,
+                     chunk_rows)
+
+
+def plan_hf_to_megatron(
+    sharded_state_dict: dict,
+    hf_config: Mapping[str, Any],
+    checkpoint: HFCheckpoint,
+    dtype: torch.dtype | None = None,
+) -> ConversionPlan:
+    """Match every Megatron checkpoint chunk with its HF rows; raise naming any bad tensor."""
+    rules = {rule.megatron: rule for rule in table_for(hf_config)}
+    attention = AttentionShape.from_hf(hf_config)
+    apply_factories(sharded_state_dict)
+    sharded, common = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+    tasks, objects, checked = {}, {}, set()
+    for item in nested_values(sharded):
+        if not is_main_replica(item.replica_id):
+            continue
+        if isinstance(item, ShardedObject):
+            buffer = io.BytesIO()
+            torch.save([item.data], buffer)  # what Megatron's torch_dist strategy writes
+            objects[item.unique_key] = buffer.getvalue()
+            continue
+        if item.key not in rules:
+            raise CheckpointError(f"Megatron tensor {item.key} has no HF counterpart in the "
+                                  f"{hf_config.get('architectures')} table")
+        task = _plan_tensor(item, rules[item.key], attention, checkpoint, dtype, checked)
+        tasks[(task.key, task.offsets)] = task
+    _check_unexpected(hf_config, checkpoint, tasks.values())
+    return ConversionPlan(tasks, objects, common)
+
+
+def _check_unexpected(hf_config, checkpoint: HFCheckpoint, tasks) -> None:
+    used = {name for task in tasks for name, *_ in task.sources}
+    if hf_config.get("tie_word_embeddings"):
+        used.add("lm_head.weight")  # some tied checkpoints store it anyway; HF ignores it too
+    unexpected = sorted(name for name in checkpoint.entries
+                        if name not in used and not name.endswith(IGNORED_HF_SUFFIXES))
+    if unexpected:
+        shown = ", ".join(f"{n} {checkpoint.entries[n].shape}" for n in unexpected[:8])
+        raise CheckpointError(f"{len(unexpected)} unexpected HF tensors (no Megatron counterpart in "
+                              f"the {hf_config.get('architectures')} table): {shown}")
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """A DCP save planner whose tensors are read from the HF checkpoint only when written."""
+
+    def __init__(self, plan: ConversionPlan, checkpoint: HFCheckpoint, progress: tqdm):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.conversion, self.checkpoint, self.progress = plan, checkpoint, progress
+
+    def create_local_plan(self) -> SavePlan:
+        items = [
+            WriteItem(
+                index=MetadataIndex(task.key, torch.Size(task.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(task.offsets), torch.Size(task.shape)),
+                    properties=TensorProperties(dtype=task.dtype),
+                    size=torch.Size(task.global_shape),
+                ),
+            )
+            for task in self.conversion.tasks.values()
+        ]
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+                  for key in self.conversion.objects]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.conversion.objects[write_item.index.fqn])
+        task = self.conversion.tasks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        chunk = read_chunk(task, self.checkpoint)
+        self.progress.update(task.nbytes)
+        return chunk
+
+
+def read_chunk(task: ChunkTask, checkpoint: HFCheckpoint) -> torch.Tensor:
+    """Assemble one chunk from its HF row ranges (read straight into place when dtypes agree)."""
+    source_dtype = checkpoint.entries[task.sources[0][0]].dtype
+    chunk = torch.empty(task.shape, dtype=source_dtype)
+    rows = chunk.view(task.rows, -1)
+    for name, hf_row, count, chunk_row in task.sources:
+        checkpoint.read_rows(name, hf_row, hf_row + count, rows[chunk_row:chunk_row + count])
+    return chunk if task.dtype == source_dtype else chunk.to(task.dtype)
+
+
+def write_megatron_checkpoint(plan: ConversionPlan, checkpoint: HFCheckpoint, directory: Path,
+                              progress: bool = True, threads: int = 1) -> None:
+    """Write `plan` as a torch_dist checkpoint into the existing folder `directory`."""
+    total = sum(task.nbytes for task in plan.tasks.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron",
+              disable=not progress) as bar:
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(directory, thread_count=threads,
+                                                         sync_files=False),
+                 planner=_LazySavePlanner(plan, checkpoint, bar), no_dist=True)
+    torch.save(plan.common, directory / COMMON_FILE)
+    save_config(CheckpointingConfig("torch_dist", 1), str(directory))
+
+
+def convert_hf_to_megatron(
+    hf_dir: Path,
+    output_dir: Path,
+    sharded_state_dict: dict,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    threads: int = 1,
+) -> ConversionPlan:
+    """Convert an HF checkpoint folder into a torch_dist checkpoint at `output_dir`.
+
+    `sharded_state_dict`: of the target GPTModel built on the meta device at TP=1/PP=1 from the
+    same HF config. `dtype`: stored element type (default: the HF tensors' own). Runs in one
+    process; the output appears atomically (nothing at `output_dir` if interrupted).
+    """
+    hf_dir, output_dir = Path(hf_dir), Path(output_dir)
+    check_output(output_dir, overwrite)
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    checkpoint = HFCheckpoint(hf_dir)
+    plan = plan_hf_to_megatron(sharded_state_dict, hf_config, checkpoint, dtype)
+    with atomic_output(output_dir, overwrite) as tmp:
+        write_megatron_checkpoint(plan, checkpoint, tmp, progress, threads)
+        copy_hf_side_files(hf_dir, tmp / HF_SIDE_FOLDER)
+    return plan

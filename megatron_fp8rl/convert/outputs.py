@@ -1,0 +1,68 @@
+"""Output folders that appear whole or not at all, and the HF files that travel beside weights.
+
+Owns: `atomic_output` (write into a hidden temporary sibling, rename at the end; an existing
+output is refused unless overwrite), `copy_hf_side_files` (config, generation config, tokenizer).
+Must not import: models, rollout, data, trainer, cli.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+HF_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+"""Non-weight files of an HF checkpoint that a converted checkpoint keeps."""
+
+
+class OutputExistsError(FileExistsError):
+    """The output path exists and overwriting was not requested."""
+
+
+def check_output(path: Path, overwrite: bool) -> None:
+    """Refuse an existing output path unless `overwrite` (call before any long work)."""
+    if Path(path).exists() and not overwrite:
+        raise OutputExistsError(f"output {path} already exists; pass --overwrite to replace it")
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder that becomes `path` only if the block completes.
+
+    On any exception (including KeyboardInterrupt) the temporary folder is removed and `path` is
+    left as it was. The swap of an existing output is two renames, so `path` is never partial.
+    """
+    path = Path(path)
+    check_output(path, overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        tmp.rename(path)
+
+
+def copy_hf_side_files(source: Path, destination: Path) -> list[str]:
+    """Copy the config/tokenizer files that exist in `source` into `destination`."""
+    destination.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in HF_SIDE_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, destination / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,205 @@
+"""From a Hugging Face config to a Megatron-Core TransformerConfig, layer spec and GPTModel.
+
+Owns: reading HF config fields (old and new transformers spellings) into `MegatronModelArgs`,
+checking a TP/PP layout against them, choosing the layer spec (TE when Transformer Engine is
+usable, else the local spec, optionally with FP8 linear modules), and building the GPTModel chunk
+of this process (`build_model_from_hf`), also on the meta device (no weights).
+Must not import: convert, rollout, data, trainer, cli (layer L2 imports only L0/L1).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_fp8rl.models.family import ModelFamily, UnsupportedModelError
+from megatron_fp8rl.models.gpt import build_gpt_model
+from megatron_fp8rl.models.registry import family_for
+from megatron_fp8rl.models.rope import RopeSettings, apply_rope_scaling, rope_settings
+
+
+@dataclass(frozen=True)
+class MegatronModelArgs:
+    """Everything needed to build the Megatron GPTModel equivalent of an HF checkpoint."""
+
+    family: ModelFamily
+    """The model family the HF config belongs to."""
+    config: TransformerConfig
+    """Megatron transformer config (this process's TP/PP sizes)."""
+    vocab_size: int
+    """Embedding rows (the HF vocab size; no padding)."""
+    max_sequence_length: int
+    """HF `max_position_embeddings`."""
+    rope: RopeSettings
+    """Rotary base and optional Llama 3.x scaling."""
+    tie_embeddings: bool
+    """Whether the output layer shares the input embedding."""
+
+
+def hf_config_dict(hf_config: Any) -> dict[str, Any]:
+    """An HF config as a plain dict, from a dict, a `PretrainedConfig`, config.json or its folder."""
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if isinstance(hf_config, (str, Path)):
+        path = Path(hf_config)
+        path = path / "config.json" if path.is_dir() else path
+        return json.loads(path.read_text())
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise TypeError(f"cannot read an HF config from {type(hf_config).__name__}")
+
+
+def head_dim(hf: Mapping[str, Any]) -> int:
+    """Per-head channels: `head_dim` when given (Qwen3), else hidden_size / heads."""
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def check_parallel_layout(hf: Mapping[str, Any], tensor_parallel: int, pipeline_parallel: int) -> None:
+    """Raise naming the HF field that the TP/PP sizes do not divide."""
+    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    for field, value, size, what in (
+        ("num_attention_heads", hf["num_attention_heads"], tensor_parallel, "tensor_parallel"),
+        ("num_key_value_heads", kv_heads, tensor_parallel, "tensor_parallel"),
+        ("vocab_size", hf["vocab_size"], tensor_parallel, "tensor_parallel"),
+        ("num_hidden_layers", hf["num_hidden_layers"], pipeline_parallel, "pipeline_parallel"),
+    ):
+        if value % size:
+            raise UnsupportedModelError(f"{what}={size} does not divide {field}={value}")
+
+
+def transformer_config_from_hf(
+    hf_config: Any,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> TransformerConfig:
+    """The Megatron TransformerConfig of an HF Llama/Qwen2/Qwen3 config; `overrides` win."""
+    hf = hf_config_dict(hf_config)
+    family = family_for(hf)
+    family.check(hf)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
+    check_parallel_layout(hf, tensor_parallel, pipeline_parallel)
+    fields = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        kv_channels=head_dim(hf),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=family.qkv_bias(hf),
+        qk_layernorm=family.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def megatron_args_from_hf(
+    hf_config: Any, params_dtype: torch.dtype = torch.float32, **overrides: Any
+) -> MegatronModelArgs:
+    """`MegatronModelArgs` for this process's TP/PP sizes (Megatron's parallel state)."""
+    hf = hf_config_dict(hf_config)
+    config = transformer_config_from_hf(
+        hf,
+        tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
+        params_dtype=params_dtype,
+        **overrides,
+    )
+    return MegatronModelArgs(
+        family=family_for(hf),
+        config=config,
+        vocab_size=int(hf["vocab_size"]),
+        max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
+        rope=rope_settings(hf),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def transformer_engine_usable() -> bool:
+    """TE layers need CUDA and an installed transformer_engine (never installed on the CPU tier)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def layer_spec(
+    qk_layernorm: bool,
+    use_te: bool | None = None,
+    linear_modules: tuple[type, type] | None = None,
+) -> ModuleSpec:
+    """The transformer layer spec: TE's when `use_te` (default: when TE is usable), else local.
+
+    `linear_modules` = (column-parallel class, row-parallel class) replaces Megatron's local
+    linears, e.g. with the FP8 linear drop-ins of the FP8 issue on the CPU tier. Both specs store
+    the same checkpoint keys (the local spec maps its separate norms onto TE's fused names).
+    """
+    use_te = transformer_engine_usable() if use_te is None else use_te
+    if use_te:
+        if linear_modules is not None:
+            raise ValueError("linear_modules replace local-spec linears; TE does its own FP8")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    if linear_modules is not None:
+        column, row = linear_modules
+        attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+        attention.linear_qkv, attention.linear_proj = column, row
+        mlp.linear_fc1, mlp.linear_fc2 = column, row
+    return spec
+
+
+def build_model_from_hf(
+    hf_config: Any,
+    params_dtype: torch.dtype = torch.float32,
+    use_te: bool | None = None,
+    linear_modules: tuple[type, type] | None = None,
+    device: torch.device | str | None = None,
+    **overrides: Any,
+) -> GPTModel:
+    """This process's GPTModel chunk for an HF config, with random (or, on meta, no) weights.
+
+    `device="meta"` builds shapes only (parameter counts, checkpoint layouts); weights come from
+    a checkpoint (megatron_fp8rl.convert writes one from HF safetensors).
+    """
+    if device is not None and torch.device(device).type == "meta":
+        overrides = {"use_cpu_initialization": True, "perform_initialization": False, **overrides}
+    args = megatron_args_from_hf(hf_config, params_dtype=params_dtype, **overrides)
+    model = build_gpt_model(
+        args.config,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_sequence_length,
+        layer_spec=layer_spec(args.family.qk_layernorm, use_te, linear_modules),
+        rotary_base=args.rope.theta,
+        tie_embeddings=args.tie_embeddings,
+        device=device,
+    )
+    apply_rope_scaling(model, args.rope)
+    return model
+
