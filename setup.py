@@ -21,6 +21,7 @@ COMMON = [
     "tensorboard>=2.15",
     "tqdm>=4.66",
     "pyyaml>=6.0",
+    "omegaconf>=2.3",
     "ml_dtypes>=0.4",
 ]
 

@@ -1,0 +1,105 @@
+"""YAML + dotted overrides -> a typed dataclass tree (OmegaConf structured configs underneath).
+
+Owns: `load_config`, `save_config`, `ConfigError`. Must not import: anything of ours above L0.
+
+Precedence: dataclass defaults < YAML file < overrides (`key.sub=value`, later wins). Unknown keys
+and wrong types raise `ConfigError` naming the full dotted key, with the closest valid key
+suggested; value checks in a dataclass's `__post_init__` raising ValueError are reported with the
+key path of the dataclass that raised.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be built; the message names the key and the problem."""
+
+
+def _all_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for field in dataclasses.fields(schema):
+        full = f"{prefix}{field.name}"
+        keys.append(full)
+        if dataclasses.is_dataclass(field.type) and isinstance(field.type, type):
+            keys.extend(_all_keys(field.type, full + "."))
+    return keys
+
+
+def _resolved_fields(schema: type) -> type:
+    """Resolve string annotations (from __future__ import annotations) so nested types are known."""
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        field.type = hints[field.name]
+        if dataclasses.is_dataclass(field.type) and isinstance(field.type, type):
+            _resolved_fields(field.type)
+    return schema
+
+
+def _suggest(key: str, schema: type) -> str:
+    close = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _explain(exc: OmegaConfBaseException, schema: type, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "<root>"
+    if isinstance(exc, ConfigKeyError):
+        return ConfigError(f"{source}: unknown config key {key!r}{_suggest(key, schema)}")
+    if isinstance(exc, ValidationError):
+        msg = str(exc).splitlines()[0]
+        return ConfigError(f"{source}: bad value for {key!r}: {msg}")
+    return ConfigError(f"{source}: {key!r}: {str(exc).splitlines()[0]}")
+
+
+def load_config(schema: type[T], yaml_path: str | Path | None = None,
+                overrides: Iterable[str] = ()) -> T:
+    """Build a `schema` instance from its defaults, a YAML file and `key=value` overrides."""
+    _resolved_fields(schema)
+    merged = OmegaConf.structured(schema)
+    if yaml_path is not None:
+        path = Path(yaml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        except OmegaConfBaseException as exc:
+            raise _explain(exc, schema, str(path)) from None
+    overrides = list(overrides)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    try:
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, schema, "override" if overrides else "config") from None
+    except ValueError as exc:  # a dataclass __post_init__ check
+        raise ConfigError(f"invalid config: {exc}") from None
+
+
+def to_yaml(cfg: Any) -> str:
+    """The config as YAML (paths as strings)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Any, path: str | Path) -> Path:
+    """Write the effective config as YAML atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
