@@ -23,6 +23,8 @@ COMMON = [
     "pyyaml>=6.0",
     "omegaconf>=2.3",
     "ml_dtypes>=0.4",
+    "math-verify>=0.8",  # reward: answer equivalence
+    "pyarrow>=15",  # Parquet prompt datasets
 ]
 
 setup(
