@@ -94,6 +94,7 @@ def transformer_config_from_hf(
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
     check_parallel_layout(hf, tensor_parallel, pipeline_parallel)
+    rope_settings(hf)  # refuse unsupported rope types here, not at build time
     fields = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],

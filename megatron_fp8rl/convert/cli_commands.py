@@ -1,0 +1,100 @@
+"""Command-line arguments and dispatch for `megatron-fp8rl convert ...` and the tools/ scripts.
+
+Owns: `add_convert_arguments(subparsers)` (the `convert hf-to-megatron` and
+`convert megatron-to-hf` subcommands) and `run_convert(args, build_meta_model)`.
+The HF -> Megatron direction needs the target GPTModel's layout; building models is not this
+layer's business (convert/ and models/ are both L2), so the entry point passes
+`build_meta_model(hf_config, tensor_parallel, pipeline_parallel)`: it starts nothing itself and
+returns the GPTModel built on the meta device at TP=1/PP=1, after checking that the checkpoint
+will load at the given TP/PP (tools/convert_hf_to_megatron.py shows the wiring).
+Must not import: models, rollout, data, trainer, cli.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
+from megatron_fp8rl.convert.megatron_to_hf import DEFAULT_SHARD_BYTES, convert_megatron_to_hf
+
+MetaModelBuilder = Callable[[dict, int, int], torch.nn.Module]
+"""(HF config dict, target TP, target PP) -> GPTModel on the meta device at TP=1/PP=1."""
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `convert hf-to-megatron` (also tools/convert_hf_to_megatron.py)."""
+    parser.add_argument("hf_dir", type=Path, help="HF checkpoint folder (config.json + safetensors)")
+    parser.add_argument("output_dir", type=Path, help="torch_dist checkpoint folder to create")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="check the checkpoint will load at this TP (it loads at any valid TP)")
+    parser.add_argument("--pipeline-parallel", type=int, default=1,
+                        help="check the checkpoint will load at this PP (it loads at any valid PP)")
+    _add_common(parser)
+    parser.add_argument("--threads", type=int, default=1, help="writer threads (files)")
+
+
+def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `convert megatron-to-hf` (also tools/convert_megatron_to_hf.py)."""
+    parser.add_argument("megatron_dir", type=Path, help="torch_dist checkpoint folder (any TP/PP)")
+    parser.add_argument("output_dir", type=Path, help="HF checkpoint folder to create")
+    parser.add_argument("--hf-config", type=Path, default=None,
+                        help="folder with the model's config.json and tokenizer "
+                             "(default: the hf/ folder stored in the checkpoint)")
+    parser.add_argument("--key-prefix", default="",
+                        help="prefix of the model keys in the checkpoint, e.g. 'model.'")
+    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 2**30,
+                        help="largest safetensors file, in GiB")
+    _add_common(parser)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="stored element type (default: keep the source's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_convert_arguments(subparsers) -> None:
+    """Add `convert {hf-to-megatron,megatron-to-hf}` to an argparse subparsers object."""
+    convert = subparsers.add_parser("convert", help="convert checkpoints between HF and Megatron")
+    directions = convert.add_subparsers(dest="direction", required=True)
+    add_hf_to_megatron_arguments(directions.add_parser(
+        "hf-to-megatron", help="HF safetensors -> Megatron torch_dist"))
+    add_megatron_to_hf_arguments(directions.add_parser(
+        "megatron-to-hf", help="Megatron torch_dist (any TP/PP) -> HF safetensors"))
+
+
+def run_hf_to_megatron(args: argparse.Namespace, build_meta_model: MetaModelBuilder) -> None:
+    """Run `convert hf-to-megatron` (the caller has started a one-process group)."""
+    hf_config = json.loads((Path(args.hf_dir) / "config.json").read_text())
+    model = build_meta_model(hf_config, args.tensor_parallel, args.pipeline_parallel)
+    plan = convert_hf_to_megatron(args.hf_dir, args.output_dir, model.sharded_state_dict(),
+                                  overwrite=args.overwrite, dtype=DTYPES.get(args.dtype),
+                                  progress=not args.no_progress, threads=args.threads)
+    print(f"wrote {len(plan.tasks)} tensor chunks to {args.output_dir}")
+
+
+def run_megatron_to_hf(args: argparse.Namespace) -> None:
+    """Run `convert megatron-to-hf` (needs no process group)."""
+    weight_map = convert_megatron_to_hf(
+        args.megatron_dir, args.output_dir, hf_config_dir=args.hf_config,
+        overwrite=args.overwrite, dtype=DTYPES.get(args.dtype), key_prefix=args.key_prefix,
+        max_shard_bytes=int(args.max_shard_gb * 2**30), progress=not args.no_progress)
+    print(f"wrote {len(weight_map)} HF tensors to {args.output_dir}")
+
+
+def run_convert(args: argparse.Namespace, build_meta_model: MetaModelBuilder | None = None) -> int:
+    """Dispatch `convert <direction>`; returns the exit status."""
+    if args.direction == "hf-to-megatron":
+        if build_meta_model is None:
+            raise ValueError("convert hf-to-megatron needs build_meta_model from the entry point")
+        run_hf_to_megatron(args, build_meta_model)
+    else:
+        run_megatron_to_hf(args)
+    return 0
