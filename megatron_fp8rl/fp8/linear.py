@@ -5,10 +5,18 @@ and the plain torch module `Fp8Linear`. The Megatron-facing layers (Column/RowPa
 drop-ins) live in megatron_fp8rl/compat/megatron_fp8_linear.py and call `fp8_linear`.
 
 Arithmetic (x [..., K] flattened to [M, K], W [N, K], dy [M, N]):
-- forward: y = Q_in(x) @ Q_w(W)^T, one `torch._scaled_mm` with fp32 output, cast to x's dtype;
-- dgrad:   dx = Q_g(dy) @ Q_w(W), FP8 `_scaled_mm` (the per-tensor W data is transposed, exact);
-- wgrad:   dW = Q_g(dy)^T @ Q_in(x), FP8 `_scaled_mm` (both per-tensor operands transposed);
+- forward: y = Q_in(x) @ Q_w(W)^T, an FP8 GEMM with fp32 output, cast to x's dtype;
+- dgrad:   dx = Q_g(dy) @ Q_w(W), FP8 GEMM (the per-tensor W data is transposed, exact);
+- wgrad:   dW = Q_g(dy)^T @ Q_in(x), FP8 GEMM (both per-tensor operands transposed);
 - bias gradient: sum of dy in high precision.
+The FP8 GEMM (`gemm` argument, GEMMS):
+- 'scaled_mm':       `torch._scaled_mm(a_fp8, b_fp8, scale_a, scale_b, out_dtype=fp32)`;
+- 'fp32_accumulate': (float(a_fp8) @ float(b_fp8)^T) * scale_a * scale_b, the same FP8 operands
+                     with exact products and fp32 accumulation, as an FP8 tensor core computes;
+                     results differ from 'scaled_mm' only by fp32 summation order (~1e-6 rel);
+- 'auto' (default):  'scaled_mm' on CUDA, 'fp32_accumulate' on CPU, because torch 2.13's CPU
+                     `_scaled_mm` (no AMX here) runs ~100x slower than an fp32 matmul (measured:
+                     1 s for 256x64x192), which would make the CPU tier's training unusable.
 Q_g uses the recipe's backward format: E5M2 under 'hybrid', E4M3 under 'e4m3'. When an operand
 is not per-tensor (blockwise recipes: `_scaled_mm` on CPU rejects 128x128 block scales, and
 1x128 activation groups split the wgrad's contraction dimension), that GEMM runs as dequantize +
@@ -27,12 +35,24 @@ from megatron_fp8rl.fp8.quantizer import Fp8Quantizers, make_quantizers
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 
 EXTRA_STATE_VERSION = 1
+GEMMS = ("auto", "scaled_mm", "fp32_accumulate")
 
 
-def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
-    """a @ b^T in fp32 for a [M, K], b [N, K]: `torch._scaled_mm` when both are per-tensor,
-    else dequantize + matmul (same FP8 values, fp32 accumulation)."""
-    if a.granularity == "tensor" and b.granularity == "tensor":
+def resolve_gemm(gemm: str, device: torch.device) -> str:
+    """'auto' -> 'scaled_mm' on CUDA, 'fp32_accumulate' elsewhere; ValueError for unknown names."""
+    if gemm not in GEMMS:
+        raise ValueError(f"unknown FP8 gemm {gemm!r}; valid: {', '.join(GEMMS)}")
+    if gemm == "auto":
+        return "scaled_mm" if device.type == "cuda" else "fp32_accumulate"
+    return gemm
+
+
+def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.Tensor:
+    """a @ b^T in fp32 for a [M, K], b [N, K] per-tensor quantized ('scaled_mm' or
+    'fp32_accumulate', module docstring); other granularities: dequantize + fp32 matmul."""
+    if a.granularity != "tensor" or b.granularity != "tensor":
+        return a.dequantize() @ b.dequantize().t()
+    if gemm == "scaled_mm":
         return torch._scaled_mm(
             a.data,
             b.data.t(),
@@ -40,7 +60,7 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
             scale_b=b.scale_inv.float(),
             out_dtype=torch.float32,
         )
-    return a.dequantize() @ b.dequantize().t()
+    return (a.data.float() @ b.data.float().t()) * a.scale_inv.float() * b.scale_inv.float()
 
 
 def _is_per_tensor(*tensors: Fp8Tensor) -> bool:
@@ -51,7 +71,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     """Autograd function of y = x @ W^T + b with FP8 GEMMs (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, quantizers: Fp8Quantizers):
+    def forward(ctx, x, weight, bias, quantizers: Fp8Quantizers, gemm: str):
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(
                 f"fp8_linear: input has {x.shape[-1]} features, weight {tuple(weight.shape)} "
@@ -60,10 +80,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         x_q = quantizers.input.quantize(x2d)
         w_q = quantizers.weight.quantize(weight)
-        y = fp8_matmul_nt(x_q, w_q)
+        gemm = resolve_gemm(gemm, x.device)
+        y = fp8_matmul_nt(x_q, w_q, gemm)
         if bias is not None:
             y = y + bias.float()
-        ctx.quantizers = quantizers
+        ctx.quantizers, ctx.gemm = quantizers, gemm
         ctx.x_meta = (x_q.scale_inv, x_q.granularity, x_q.block, x.shape, x.dtype)
         ctx.w_meta = (w_q.scale_inv, w_q.granularity, w_q.block, weight.dtype)
         ctx.has_bias = bias is not None
@@ -82,26 +103,30 @@ class Fp8LinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             if _is_per_tensor(g_q, w_q):
-                grad_x = fp8_matmul_nt(g_q, w_q.t())
+                grad_x = fp8_matmul_nt(g_q, w_q.t(), ctx.gemm)
             else:
                 grad_x = g_q.dequantize() @ w_q.dequantize()
             grad_x = grad_x.to(x_dtype).reshape(x_shape)
         if ctx.needs_input_grad[1]:
             if _is_per_tensor(g_q, x_q):
-                grad_w = fp8_matmul_nt(g_q.t(), x_q.t())
+                grad_w = fp8_matmul_nt(g_q.t(), x_q.t(), ctx.gemm)
             else:
                 grad_w = g_q.dequantize().t() @ x_q.dequantize()
             grad_w = grad_w.to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy.float().sum(0).to(w_dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quantizers: Fp8Quantizers
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantizers: Fp8Quantizers,
+    gemm: str = "auto",
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ weight [N, K]^T + bias [N], GEMMs in FP8 (module docstring)."""
-    return Fp8LinearFunction.apply(x, weight, bias, quantizers)
+    return Fp8LinearFunction.apply(x, weight, bias, quantizers, gemm)
 
 
 def quantizers_extra_state(recipe: Fp8Recipe, quantizers: Fp8Quantizers) -> dict:
@@ -140,16 +165,19 @@ class Fp8Linear(torch.nn.Module):
         recipe: Fp8Recipe | None = None,
         group=None,
         dtype: torch.dtype = torch.float32,
+        gemm: str = "auto",
     ):
         super().__init__()
         self.recipe = CalibratedDelayedScaling() if recipe is None else recipe
+        resolve_gemm(gemm, torch.device("cpu"))  # reject an unknown name now, not at first use
+        self.gemm = gemm
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.fp8_quantizers = make_quantizers(self.recipe, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.fp8_quantizers)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_quantizers, self.gemm)
 
     def fp8_stats(self) -> dict:
         """{role: QuantStats of the last quantization}."""

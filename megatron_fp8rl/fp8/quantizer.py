@@ -32,6 +32,12 @@ from megatron_fp8rl.fp8.scaling import DelayedScalingState, all_reduce_max_, rol
 from megatron_fp8rl.fp8.stats import QuantStats, quantization_stats
 
 ROLES = ("input", "weight", "grad_output")
+RECIPE_TYPES = (
+    recipes.CalibratedDelayedScaling,
+    recipes.DelayedScaling,
+    recipes.CurrentScaling,
+    recipes.BlockwiseScaling,
+)
 
 
 def _per_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, recalibrated):
@@ -193,6 +199,11 @@ class Fp8Quantizers:
 def make_quantizers(recipe: recipes.Fp8Recipe, group=None) -> Fp8Quantizers:
     """The input / weight / grad_output quantizers `recipe` prescribes; `group` is the
     amax-reduction process group (None: the default group, when torch.distributed runs)."""
+    if not isinstance(recipe, RECIPE_TYPES):
+        raise TypeError(
+            f"unknown FP8 recipe type {type(recipe).__name__}; expected one of "
+            f"{', '.join(t.__name__ for t in RECIPE_TYPES)} (megatron_fp8rl.fp8.recipe)"
+        )
     forward, backward = recipe_formats(recipe.fp8_format)
     if isinstance(recipe, recipes.CalibratedDelayedScaling):
         make = lambda fmt, is_weight: CalibratedQuantizer(fmt, recipe, is_weight, group)  # noqa: E731
@@ -200,10 +211,8 @@ def make_quantizers(recipe: recipes.Fp8Recipe, group=None) -> Fp8Quantizers:
         make = lambda fmt, is_weight: DelayedQuantizer(fmt, recipe, group)  # noqa: E731
     elif isinstance(recipe, recipes.CurrentScaling):
         make = lambda fmt, is_weight: CurrentQuantizer(fmt, recipe.margin)  # noqa: E731
-    elif isinstance(recipe, recipes.BlockwiseScaling):
+    else:
         make = lambda fmt, is_weight: BlockQuantizer(  # noqa: E731
             fmt, recipe.weight_block if is_weight else recipe.activation_block
         )
-    else:
-        raise TypeError(f"unknown FP8 recipe type {type(recipe).__name__}; use a megatron_fp8rl.fp8.recipe spec")
     return Fp8Quantizers(make(forward, False), make(forward, True), make(backward, False))

@@ -1,0 +1,153 @@
+"""Megatron-Core local-spec linear layers whose GEMMs run through our FP8 linear (the CPU tier).
+
+Owns: `Fp8ColumnParallelLinear` / `Fp8RowParallelLinear` (drop-ins for the
+`ColumnParallelLinear` / `RowParallelLinear` that `get_gpt_layer_local_spec()` uses),
+`fp8_local_layer_spec(recipe)` (that spec with them swapped in) and `fp8_layer_stats(model)`.
+Must not import: anything above layer L1 (models, convert, rollout, trainer, cli).
+
+What changes against Megatron's layers: only `_forward_impl`, the matmul (megatron-core 0.16.1's
+`linear_with_grad_accumulation_and_async_allreduce`), which becomes
+`megatron_fp8rl.fp8.linear.fp8_linear`. Tensor parallelism keeps Megatron's semantics: a column
+layer's input gradient is all-reduced over the TP group (`copy_to_tensor_model_parallel_region`
+around the FP8 function does exactly the backward all-reduce Megatron's fused function does);
+row layers reduce their output in Megatron's own `forward`. Sequence parallelism (not supported by
+the local spec on CPU either), gradient-accumulation fusion (a fused CUDA wgrad kernel) and
+deferred embedding wgrads are rejected with a ValueError.
+Scales: amaxes are all-reduced (MAX) over Megatron's amax-reduction group (TP x DP x CP, as TE's
+`get_fp8_context` uses), so every TP shard of a layer shares one per-tensor scale and a TP
+reshard keeps scales valid. The scaling state travels in `_extra_state` (as TE's does): plain
+`state_dict()` carries it, and Megatron's `sharded_state_dict` wraps it in a replicated
+ShardedObject for dist_checkpointing (bf16 conversion of the module leaves it fp32).
+The vocabulary projection (GPTModel.output_layer) is built by GPTModel itself, not by the layer
+spec, so it stays in high precision.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_fp8rl.fp8.linear import (
+    fp8_linear,
+    load_quantizers_extra_state,
+    quantizers_extra_state,
+    resolve_gemm,
+)
+from megatron_fp8rl.fp8.quantizer import make_quantizers
+from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
+
+
+def _amax_reduction_group():
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_amax_reduction_group(with_context_parallel=True)
+
+
+def _check_supported(name: str, sequence_parallel: bool, gradient_accumulation_fusion: bool,
+                     grad_output_buffer) -> None:
+    unsupported = {
+        "sequence_parallel": sequence_parallel,
+        "gradient_accumulation_fusion": gradient_accumulation_fusion,
+        "defer_embedding_wgrad_compute": grad_output_buffer is not None,
+    }
+    found = [key for key, value in unsupported.items() if value]
+    if found:
+        raise ValueError(f"{name}: the FP8 local linear does not support {', '.join(found)}; "
+                         "set them False in the TransformerConfig")
+
+
+class _Fp8LinearMixin:
+    """FP8 matmul and FP8 scaling state for a Megatron parallel linear layer."""
+
+    def _init_fp8(self, fp8_recipe: Fp8Recipe | None, fp8_gemm: str) -> None:
+        resolve_gemm(fp8_gemm, torch.device("cpu"))  # reject an unknown name at build time
+        self.fp8_recipe = CalibratedDelayedScaling() if fp8_recipe is None else fp8_recipe
+        self.fp8_gemm = fp8_gemm
+        self.fp8_quantizers = make_quantizers(self.fp8_recipe, _amax_reduction_group())
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
+                      allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
+                      tp_group=None, **unused):
+        _check_supported(type(self).__name__, sequence_parallel, gradient_accumulation_fusion,
+                         grad_output_buffer)
+        if allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        return fp8_linear(input, weight, bias, self.fp8_quantizers, self.fp8_gemm)
+
+    def get_extra_state(self) -> dict:
+        """FP8 scaling state (amax histories and scales) for checkpoints."""
+        return quantizers_extra_state(self.fp8_recipe, self.fp8_quantizers)
+
+    def set_extra_state(self, state) -> None:
+        """Restore the FP8 scaling state; None (no FP8 state saved) keeps the current one."""
+        load_quantizers_extra_state(self.fp8_quantizers, state, type(self).__name__)
+
+    def fp8_stats(self) -> dict:
+        """{role: QuantStats of the last quantization} of this layer."""
+        return self.fp8_quantizers.stats()
+
+
+class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
+    """ColumnParallelLinear with FP8 GEMMs (module docstring); keywords `fp8_recipe` and
+    `fp8_gemm` (megatron_fp8rl.fp8.linear.GEMMS)."""
+
+    def __init__(self, *args, fp8_recipe: Fp8Recipe | None = None, fp8_gemm: str = "auto",
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fp8(fp8_recipe, fp8_gemm)
+
+
+class Fp8RowParallelLinear(_Fp8LinearMixin, RowParallelLinear):
+    """RowParallelLinear with FP8 GEMMs (module docstring); keywords `fp8_recipe` and
+    `fp8_gemm` (megatron_fp8rl.fp8.linear.GEMMS)."""
+
+    def __init__(self, *args, fp8_recipe: Fp8Recipe | None = None, fp8_gemm: str = "auto",
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fp8(fp8_recipe, fp8_gemm)
+
+
+def _swap_linears(spec, replacements: dict):
+    """A copy of the spec tree with each class in `replacements` replaced by its ModuleSpec."""
+    if isinstance(spec, type) and spec in replacements:
+        return replacements[spec]
+    if isinstance(spec, ModuleSpec):
+        if spec.module in replacements:
+            new = replacements[spec.module]
+            return dataclasses.replace(new, params={**spec.params, **new.params})
+        return dataclasses.replace(spec, submodules=_swap_linears(spec.submodules, replacements))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _swap_linears(getattr(spec, f.name), replacements)
+                   for f in dataclasses.fields(spec) if f.init}
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def fp8_local_layer_spec(recipe: Fp8Recipe | None = None, gemm: str = "auto",
+                         **local_spec_kwargs):
+    """`get_gpt_layer_local_spec(**local_spec_kwargs)` with every Column/RowParallelLinear
+    (attention qkv and projection, MLP fc1 and fc2) replaced by its FP8 drop-in using `recipe`
+    (default CalibratedDelayedScaling()) and FP8 GEMM `gemm` (fp8/linear.py GEMMS)."""
+    recipe = CalibratedDelayedScaling() if recipe is None else recipe
+    replacements = {
+        layer: ModuleSpec(module=fp8_layer, params={"fp8_recipe": recipe, "fp8_gemm": gemm})
+        for layer, fp8_layer in ((ColumnParallelLinear, Fp8ColumnParallelLinear),
+                                 (RowParallelLinear, Fp8RowParallelLinear))
+    }
+    return _swap_linears(get_gpt_layer_local_spec(**local_spec_kwargs), replacements)
+
+
+def fp8_layer_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
+    """{'<module name>.<role>': QuantStats as floats} for every FP8 linear in `model`, for a
+    per-step logger."""
+    stats = {}
+    for name, module in model.named_modules():
+        if isinstance(module, _Fp8LinearMixin):
+            for role, role_stats in module.fp8_stats().items():
+                stats[f"{name}.{role}"] = role_stats.as_floats()
+    return stats

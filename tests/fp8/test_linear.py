@@ -1,0 +1,127 @@
+"""Our FP8 linear: forward/backward equal GEMMs of the same FP8 operands, the GEMM backends
+agree, gradients use E5M2 under hybrid, weights are re-calibrated in no-grad passes, and the
+scaling state survives a checkpoint."""
+import io
+
+import pytest
+import torch
+
+from megatron_fp8rl.fp8.formats import E4M3, E5M2
+from megatron_fp8rl.fp8.linear import Fp8Linear, fp8_linear
+from megatron_fp8rl.fp8.quantize import quantize_blockwise, quantize_per_tensor
+from megatron_fp8rl.fp8.quantizer import make_quantizers
+from megatron_fp8rl.fp8.recipe import (
+    BlockwiseScaling,
+    CalibratedDelayedScaling,
+    CurrentScaling,
+    te_default_delayed,
+)
+
+
+def operands(seed=0, m=12, k=40, n=24):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, m // 2, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) * 0.1
+    bias = torch.randn(n, generator=gen)
+    dy = torch.randn(2, m // 2, n, generator=gen) * 1e-3
+    return x, weight, bias, dy
+
+
+def run(recipe, gemm, x, weight, bias, dy):
+    x, weight, bias = (t.clone().requires_grad_() for t in (x, weight, bias))
+    y = fp8_linear(x, weight, bias, make_quantizers(recipe), gemm)
+    y.backward(dy)
+    return y, x.grad, weight.grad, bias.grad
+
+
+@pytest.mark.parametrize("fp8_format,grad_fmt", [("hybrid", E5M2), ("e4m3", E4M3)])
+@pytest.mark.parametrize("gemm", ["scaled_mm", "fp32_accumulate"])
+def test_current_scaling_equals_gemms_of_the_fp8_operands(fp8_format, grad_fmt, gemm):
+    x, weight, bias, dy = operands()
+    y, dx, dw, db = run(CurrentScaling(fp8_format=fp8_format), gemm, x, weight, bias, dy)
+    xq = quantize_per_tensor(x.reshape(-1, 40), E4M3).dequantize()
+    wq = quantize_per_tensor(weight, E4M3).dequantize()
+    gq = quantize_per_tensor(dy.reshape(-1, 24), grad_fmt).dequantize()
+    torch.testing.assert_close(y.reshape(-1, 24), xq @ wq.t() + bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.reshape(-1, 40), gq @ wq, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(dw, gq.t() @ xq, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(db, dy.reshape(-1, 24).sum(0))
+
+
+def test_gemm_backends_agree_to_fp32_rounding():
+    x, weight, bias, dy = operands(1)
+    recipe = CalibratedDelayedScaling()
+    scaled = run(recipe, "scaled_mm", x, weight, bias, dy)
+    emulated = run(recipe, "fp32_accumulate", x, weight, bias, dy)
+    for a, b in zip(scaled, emulated):  # summation order only: errors ~1e-7 of the largest term
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+
+
+def test_scaled_mm_path_calls_torch_scaled_mm(monkeypatch):
+    calls = []
+    original = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].dtype) or original(*a, **k))
+    run(te_default_delayed(), "scaled_mm", *operands())
+    assert calls == [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e5m2]  # fprop, dgrad, wgrad
+
+
+def test_blockwise_runs_dequantized_gemms_of_block_fp8_values():
+    x, weight, bias, dy = operands(2, m=6, k=300, n=130)
+    y, dx, dw, db = run(BlockwiseScaling(), "auto", x, weight, bias, dy)
+    xq = quantize_blockwise(x.reshape(-1, 300), E4M3, (1, 128)).dequantize()
+    wq = quantize_blockwise(weight, E4M3, (128, 128)).dequantize()
+    gq = quantize_blockwise(dy.reshape(-1, 130), E4M3, (1, 128)).dequantize()
+    torch.testing.assert_close(y.reshape(-1, 130), xq @ wq.t() + bias)
+    torch.testing.assert_close(dx.reshape(-1, 300), gq @ wq)
+    torch.testing.assert_close(dw, gq.t() @ xq)
+
+
+def test_bf16_master_weights_keep_their_dtype():
+    layer = Fp8Linear(32, 16, dtype=torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    assert layer.weight.grad.dtype == torch.bfloat16
+
+
+def test_no_grad_pass_quantizes_weights_with_their_current_bound():
+    """Logprob recomputation runs without grad; TE would reuse a stale forward scale there."""
+    layer = Fp8Linear(32, 16, recipe=CalibratedDelayedScaling(margin=0))
+    x = torch.randn(4, 32)
+    layer(x).sum().backward()
+    with torch.no_grad():
+        layer.weight.mul_(8.0)
+        layer(x)
+    expected = 448.0 / layer.weight.abs().max()
+    assert layer.fp8_stats()["weight"].scale.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_scaling_state_survives_a_checkpoint():
+    torch.manual_seed(0)
+    layer = Fp8Linear(32, 16, recipe=te_default_delayed())
+    x = torch.randn(8, 32)
+    for _ in range(3):
+        layer(x * 3).sum().backward()
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    restored = Fp8Linear(32, 16, recipe=te_default_delayed())
+    restored.load_state_dict(torch.load(buffer))
+    for role in ("input", "weight", "grad_output"):
+        ours, theirs = getattr(layer.fp8_quantizers, role).state, getattr(restored.fp8_quantizers, role).state
+        assert torch.equal(ours.scale, theirs.scale) and ours.scale.item() != 1.0
+        assert torch.equal(ours.amax_history, theirs.amax_history)
+    assert torch.equal(layer(x), restored(x))
+
+
+def test_load_rejects_foreign_extra_state_and_unknown_gemm():
+    layer = Fp8Linear(8, 4)
+    state = layer.state_dict()
+    state["_extra_state"] = {"version": 99}
+    with pytest.raises(ValueError, match="Fp8Linear: FP8 extra state must be a dict with version 1, found 99"):
+        layer.load_state_dict(state)
+    with pytest.raises(ValueError, match="valid: auto, scaled_mm, fp32_accumulate"):
+        Fp8Linear(8, 4, gemm="cublas")
+    with pytest.raises(ValueError, match="input has 5 features"):
+        layer(torch.randn(2, 5))
