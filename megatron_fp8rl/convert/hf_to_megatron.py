@@ -14,11 +14,13 @@ Must not import: models, rollout, data, trainer, cli.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,6 +33,7 @@ from megatron.core.dist_checkpointing.mapping import (
     apply_factories,
     is_main_replica,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -233,12 +236,26 @@ def read_chunk(task: ChunkTask, checkpoint: HFCheckpoint) -> torch.Tensor:
     return chunk if task.dtype == source_dtype else chunk.to(task.dtype)
 
 
+@contextlib.contextmanager
+def unwrap_dcp_errors() -> Iterator[None]:
+    """Re-raise the error a DCP save/load hit (DCP wraps even KeyboardInterrupt) as itself."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+            yield
+    except CheckpointException as exc:
+        causes = [failure[0] for failure in exc.failures.values()]
+        if causes:
+            raise causes[0] from None
+        raise
+
+
 def write_megatron_checkpoint(plan: ConversionPlan, checkpoint: HFCheckpoint, directory: Path,
                               progress: bool = True, threads: int = 1) -> None:
     """Write `plan` as a torch_dist checkpoint into the existing folder `directory`."""
     total = sum(task.nbytes for task in plan.tasks.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron",
-              disable=not progress) as bar:
+              disable=not progress) as bar, unwrap_dcp_errors():
         dcp.save({}, storage_writer=dcp.FileSystemWriter(directory, thread_count=threads,
                                                          sync_files=False),
                  planner=_LazySavePlanner(plan, checkpoint, bar), no_dist=True)

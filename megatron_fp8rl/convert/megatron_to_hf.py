@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from tqdm import tqdm
 
-from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER
+from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER, unwrap_dcp_errors
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import INDEX_FILE, CheckpointError, SafetensorsWriter
 from megatron_fp8rl.convert.tables import LAYER_PREFIX, AttentionShape, Rule, row_pieces, table_for
@@ -123,7 +123,9 @@ def read_unit(directory: Path, unit: Unit, key_prefix: str = "") -> torch.Tensor
     target = torch.empty(((1,) if layered else ()) + unit.shape, dtype=unit.dtype)
     offsets = (unit.layer,) + (0,) * len(unit.shape) if layered else (0,) * len(unit.shape)
     planner = _SliceLoadPlanner(key_prefix + unit.rule.megatron, offsets, target)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner, no_dist=True)
+    with unwrap_dcp_errors():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
+                 no_dist=True)
     return target[0] if layered else target
 
 

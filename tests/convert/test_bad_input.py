@@ -1,0 +1,158 @@
+"""Conversion refuses bad input with errors that name the tensor (and both shapes), and never
+leaves partial output: unknown architectures, missing/unexpected/mis-shaped tensors in either
+direction, corrupt safetensors, existing outputs, interrupted runs. In process, one rank."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_fp8rl.convert import hf_to_megatron, megatron_to_hf
+from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
+from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
+from megatron_fp8rl.convert.outputs import OutputExistsError
+from megatron_fp8rl.convert.safetensors_io import CheckpointError
+from megatron_fp8rl.models.hf import build_model_from_hf
+from tests.models.tiny_hf import save_tiny_hf
+
+K_PROJ = "model.layers.1.self_attn.k_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory, megatron_tp1):
+    """(HF folder, its sharded_state_dict factory, converted torch_dist folder)."""
+    root = tmp_path_factory.mktemp("bad_input")
+    hf_dir = save_tiny_hf("qwen2", root / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+
+    def target():
+        return build_model_from_hf(config, device="meta").sharded_state_dict()
+
+    convert_hf_to_megatron(hf_dir, root / "mcore", target(), progress=False)
+    return hf_dir, target, root / "mcore"
+
+
+def _edited_copy(hf_dir: Path, tmp_path: Path, edit) -> Path:
+    """A copy of `hf_dir` whose tensors went through `edit(dict)`."""
+    out = tmp_path / "edited"
+    shutil.copytree(hf_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _assert_no_output(path: Path) -> None:
+    assert not path.exists()
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.")]
+
+
+def test_missing_hf_tensor_is_named(qwen2, tmp_path):
+    hf_dir, target, _ = qwen2
+    edited = _edited_copy(hf_dir, tmp_path, lambda t: t.pop(K_PROJ))
+    with pytest.raises(CheckpointError, match=rf"missing HF tensor {K_PROJ} \(expected shape \(32, 64\)"):
+        convert_hf_to_megatron(edited, tmp_path / "out", target(), progress=False)
+    _assert_no_output(tmp_path / "out")
+
+
+def test_unexpected_hf_tensor_is_named(qwen2, tmp_path):
+    hf_dir, target, _ = qwen2
+    edited = _edited_copy(hf_dir, tmp_path, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(3)}))
+    with pytest.raises(CheckpointError, match=r"unexpected HF tensors.*model\.layers\.0\.extra\.weight \(3,\)"):
+        convert_hf_to_megatron(edited, tmp_path / "out", target(), progress=False)
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(qwen2, tmp_path):
+    hf_dir, target, _ = qwen2
+    edited = _edited_copy(hf_dir, tmp_path, lambda t: t.update({K_PROJ: torch.zeros(16, 64, dtype=torch.bfloat16)}))
+    with pytest.raises(CheckpointError, match=rf"{K_PROJ}: expected shape \(32, 64\).*found \(16, 64\)"):
+        convert_hf_to_megatron(edited, tmp_path / "out", target(), progress=False)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda raw: raw[: len(raw) - 100], "truncated"),
+    (lambda raw: raw[:8] + b"#" + raw[9:], "header is not JSON"),
+    (lambda raw: raw[:5], "shorter than the 8-byte header"),
+])
+def test_corrupt_safetensors_is_a_clear_error(qwen2, tmp_path, damage, match):
+    hf_dir, target, _ = qwen2
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(CheckpointError, match=f"corrupt safetensors file .*model.safetensors: .*{match}"):
+        convert_hf_to_megatron(tmp_path / "hf", tmp_path / "out", target(), progress=False)
+
+
+def test_unknown_architecture_lists_supported(qwen2, tmp_path):
+    hf_dir, target, _ = qwen2
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        convert_hf_to_megatron(tmp_path / "hf", tmp_path / "out", target(), progress=False)
+
+
+def test_existing_output_refused_unless_overwrite(qwen2, tmp_path):
+    hf_dir, target, mcore = qwen2
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        convert_hf_to_megatron(hf_dir, tmp_path / "out", target(), progress=False)
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        convert_megatron_to_hf(mcore, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "keep").exists()
+    convert_hf_to_megatron(hf_dir, tmp_path / "out", target(), overwrite=True, progress=False)
+    assert not (tmp_path / "out" / "keep").exists() and (tmp_path / "out" / ".metadata").exists()
+
+
+def _interrupt_after(calls: int, function):
+    count = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] > calls:
+            raise KeyboardInterrupt
+        return function(*args, **kwargs)
+    return wrapper
+
+
+def test_interrupted_conversion_leaves_no_output(qwen2, tmp_path, monkeypatch):
+    hf_dir, target, mcore = qwen2
+    monkeypatch.setattr(hf_to_megatron, "read_chunk", _interrupt_after(3, hf_to_megatron.read_chunk))
+    with pytest.raises(KeyboardInterrupt):
+        convert_hf_to_megatron(hf_dir, tmp_path / "mcore", target(), progress=False)
+    _assert_no_output(tmp_path / "mcore")
+    monkeypatch.setattr(megatron_to_hf, "read_unit", _interrupt_after(3, megatron_to_hf.read_unit))
+    with pytest.raises(KeyboardInterrupt):
+        convert_megatron_to_hf(mcore, tmp_path / "hf", progress=False)
+    _assert_no_output(tmp_path / "hf")
+
+
+def _config_dir(hf_dir: Path, tmp_path: Path, **changes) -> Path:
+    out = tmp_path / "config"
+    out.mkdir()
+    config = json.loads((hf_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"architectures": ["LlamaForCausalLM"]}, r"unexpected Megatron tensors .*decoder\.layers\.self_attention\.linear_qkv\.bias"),
+    ({"tie_word_embeddings": False}, r"missing Megatron tensor output_layer\.weight"),
+    ({"num_hidden_layers": 3}, r"linear_qkv.*: 2 layers, config num_hidden_layers=3"),
+    ({"num_key_value_heads": 1}, r"linear_qkv.weight: 128 rows, but the qkv layout .* makes 96"),
+])
+def test_megatron_checkpoint_not_matching_config(qwen2, tmp_path, changes, match):
+    hf_dir, _, mcore = qwen2
+    with pytest.raises(CheckpointError, match=match):
+        convert_megatron_to_hf(mcore, tmp_path / "out", hf_config_dir=_config_dir(hf_dir, tmp_path, **changes),
+                               progress=False)
+    _assert_no_output(tmp_path / "out")
+
+
+def test_not_a_megatron_checkpoint(qwen2, tmp_path):
+    hf_dir, _, _ = qwen2
+    with pytest.raises(CheckpointError, match="not a torch_dist checkpoint"):
+        convert_megatron_to_hf(hf_dir, tmp_path / "out", hf_config_dir=hf_dir, progress=False)
