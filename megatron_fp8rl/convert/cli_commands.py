@@ -1,7 +1,8 @@
 """Command-line arguments and dispatch for `megatron-fp8rl convert ...` and the tools/ scripts.
 
 Owns: `add_convert_arguments(subparsers)` (the `convert hf-to-megatron` and
-`convert megatron-to-hf` subcommands) and `run_convert(args, build_meta_model)`.
+`convert megatron-to-hf` subcommands), `run_convert(args, build_meta_model)`, and
+`add_export_fp8_arguments(parser)` / `run_export_fp8(args)` (`export-fp8`).
 The HF -> Megatron direction needs the target GPTModel's layout; building models is not this
 layer's business (convert/ and models/ are both L2), so the entry point passes
 `build_meta_model(hf_config, tensor_parallel, pipeline_parallel)`: it starts nothing itself and
@@ -18,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds, load_bounds
+from megatron_fp8rl.convert.fp8_export import SCHEMES, Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.convert.megatron_to_hf import DEFAULT_SHARD_BYTES, convert_megatron_to_hf
 
@@ -97,4 +100,44 @@ def run_convert(args: argparse.Namespace, build_meta_model: MetaModelBuilder | N
         run_hf_to_megatron(args, build_meta_model)
     else:
         run_megatron_to_hf(args)
+    return 0
+
+
+def add_export_fp8_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `export-fp8` (also tools/export_fp8.py)."""
+    parser.add_argument("source_dir", type=Path, help="HF folder or torch_dist checkpoint")
+    parser.add_argument("output_dir", type=Path, help="FP8 HF folder to create")
+    parser.add_argument("--source", choices=["hf", "megatron"], default="hf")
+    parser.add_argument("--hf-config", type=Path, default=None,
+                        help="folder with config.json/tokenizer (default: the source's)")
+    parser.add_argument("--key-prefix", default="", help="model key prefix in a Megatron checkpoint")
+    parser.add_argument("--scheme", choices=SCHEMES, default="block",
+                        help="block: 128x128 weight_scale_inv; tensor: per-tensor weight_scale")
+    parser.add_argument("--activation-scheme", choices=["dynamic", "static"], default="dynamic")
+    parser.add_argument("--calibration-prompts", type=Path, default=None,
+                        help="text file, one prompt per line: static input scales from max |x| "
+                             "(HF source; uses its tokenizer)")
+    parser.add_argument("--bounds", type=Path, default=None,
+                        help="JSON {module: {weight, input}} bounds from the calibrated recipe")
+    parser.add_argument("--keep-first-layers", type=int, default=0, help="leave N first layers in BF16")
+    parser.add_argument("--keep-last-layers", type=int, default=0, help="leave N last layers in BF16")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_export_fp8(args: argparse.Namespace) -> int:
+    """Run `export-fp8` (needs no process group)."""
+    bounds = load_bounds(args.bounds) if args.bounds else {}
+    if args.calibration_prompts:
+        prompts = [p for p in args.calibration_prompts.read_text().splitlines() if p.strip()]
+        calibrated = calibrate_input_bounds(args.hf_config or args.source_dir, prompts)
+        for module, entry in calibrated.items():
+            bounds.setdefault(module, {}).setdefault("input", entry["input"])
+    options = Fp8ExportOptions(scheme=args.scheme, activation_scheme=args.activation_scheme,
+                               keep_first_layers=args.keep_first_layers,
+                               keep_last_layers=args.keep_last_layers, bounds=bounds)
+    weight_map = export_fp8(args.source_dir, args.output_dir, options, source=args.source,
+                            hf_config_dir=args.hf_config, overwrite=args.overwrite,
+                            key_prefix=args.key_prefix, progress=not args.no_progress)
+    print(f"wrote {len(weight_map)} tensors to {args.output_dir}")
     return 0

@@ -154,7 +154,7 @@ class HFCheckpoint:
 
 def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
     """Fill the contiguous tensor `out` with the bytes of `path` at `offset`."""
-    view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         done = 0
@@ -198,7 +198,7 @@ class SafetensorsWriter:
                 f"tensor {name}: declared {shape} {dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
             )
         self._file.seek(self._data_start + position)
-        self._file.write(memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy()))
+        self._file.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
         self._pending.discard(name)
 
     def close(self) -> None:

@@ -1,0 +1,231 @@
+"""FP8 export for SGLang: an HF (BF16/FP32) or Megatron checkpoint -> an FP8 HF checkpoint.
+
+Owns: choosing which linear weights to quantize (`modules_to_not_convert`: embeddings, lm_head,
+norms, and optionally the first/last N layers), quantizing them with megatron_fp8rl.fp8 (E4M3),
+optional static activation scales from a prompt-set calibration or from the calibrated recipe's
+bounds, and writing safetensors plus a config.json whose `quantization_config` SGLang's `fp8`
+method parses:
+- block:  weight E4M3 [N, K] + `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)] (dequant
+          multipliers), activations quantized dynamically per token group;
+          {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}.
+- tensor: weight E4M3 + `weight_scale` fp32 [] (dequant multiplier) and, when static,
+          `input_scale` fp32 [] = bound / 448; {quant_method: fp8, fmt: e4m3, activation_scheme}.
+Tensors stream one at a time (HF source) or one Megatron layer slice at a time.
+Must not import: models, rollout, data, trainer, cli.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from tqdm import tqdm
+
+from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER
+from megatron_fp8rl.convert.megatron_to_hf import (
+    hf_dtype,
+    plan_megatron_to_hf,
+    read_tensor_metadata,
+    read_unit,
+    split_unit,
+)
+from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
+from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint, SafetensorsWriter
+from megatron_fp8rl.fp8.formats import get_format
+from megatron_fp8rl.fp8.quantize import (
+    WEIGHT_BLOCK,
+    Fp8Tensor,
+    quantize_blockwise,
+    quantize_per_tensor,
+    scale_from_bound,
+)
+
+E4M3 = get_format("e4m3")
+SCHEMES = ("block", "tensor")
+LINEAR_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight$")
+"""HF names of the decoder linears that get quantized (their module is the name minus .weight)."""
+
+
+@dataclass(frozen=True)
+class Fp8ExportOptions:
+    """How to quantize."""
+
+    scheme: str = "block"
+    """'block' (128x128 weight scales, dynamic activations) or 'tensor' (one scale per weight)."""
+    activation_scheme: str = "dynamic"
+    """'dynamic' or, for scheme 'tensor' only, 'static' (needs input bounds)."""
+    keep_first_layers: int = 0
+    """Leave the first N decoder layers in high precision."""
+    keep_last_layers: int = 0
+    """Leave the last N decoder layers in high precision."""
+    bounds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Module name -> {'weight': bound, 'input': bound} (values mapped to 448), e.g. from the
+    calibrated recipe; a missing weight bound means the weight's amax."""
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown FP8 export scheme {self.scheme!r}; valid: {', '.join(SCHEMES)}")
+        if self.activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"activation_scheme must be dynamic or static, not {self.activation_scheme!r}")
+        if self.activation_scheme == "static" and self.scheme != "tensor":
+            raise ValueError("static activation scales need scheme 'tensor' (block scales are dynamic)")
+
+
+def quantized_module(name: str, num_layers: int, options: Fp8ExportOptions) -> str | None:
+    """The module name of an HF tensor that gets quantized, or None to keep it as is."""
+    match = LINEAR_WEIGHT.match(name)
+    if match is None:
+        return None
+    layer = int(match.group(1))
+    if layer < options.keep_first_layers or layer >= num_layers - options.keep_last_layers:
+        return None
+    return name[: -len(".weight")]
+
+
+def quantize_weight(module: str, weight: torch.Tensor, options: Fp8ExportOptions) -> Fp8Tensor:
+    """The FP8 weight of `module` (the quantizer of the chosen scheme, megatron_fp8rl.fp8)."""
+    if options.scheme == "block":
+        return quantize_blockwise(weight, E4M3, WEIGHT_BLOCK)
+    bound = options.bounds.get(module, {}).get("weight")
+    return quantize_per_tensor(weight, E4M3, None if bound is None else torch.tensor(bound))
+
+
+def input_scale(module: str, options: Fp8ExportOptions) -> torch.Tensor:
+    """Static activation dequant multiplier bound / 448 (TE's scale formula, inverted)."""
+    bound = options.bounds.get(module, {}).get("input")
+    if bound is None:
+        raise CheckpointError(f"static activation scheme: no input bound for {module} "
+                              "(calibrate on prompts or pass recipe bounds)")
+    return scale_from_bound(torch.tensor(float(bound)), E4M3.max).reciprocal()
+
+
+def _scale_name(module: str, options: Fp8ExportOptions) -> str:
+    return f"{module}.weight_scale_inv" if options.scheme == "block" else f"{module}.weight_scale"
+
+
+def output_entries(name, shape, dtype, num_layers, options) -> list[tuple[str, torch.dtype, tuple]]:
+    """The tensors one source tensor becomes in the FP8 checkpoint."""
+    module = quantized_module(name, num_layers, options)
+    if module is None:
+        return [(name, dtype, tuple(shape))]
+    if options.scheme == "block":
+        scale_shape = tuple(-(-d // b) for d, b in zip(shape, WEIGHT_BLOCK))
+    else:
+        scale_shape = ()
+    entries = [(name, E4M3.dtype, tuple(shape)), (_scale_name(module, options), torch.float32, scale_shape)]
+    if options.activation_scheme == "static":
+        entries.append((f"{module}.input_scale", torch.float32, ()))
+    return entries
+
+
+def export_tensor(name, tensor, num_layers, options) -> dict[str, torch.Tensor]:
+    """Quantize (or pass through) one source tensor."""
+    module = quantized_module(name, num_layers, options)
+    if module is None:
+        return {name: tensor}
+    quantized = quantize_weight(module, tensor, options)
+    out = {name: quantized.data, _scale_name(module, options): quantized.scale_inv.float().reshape(
+        () if options.scheme == "tensor" else quantized.scale_inv.shape)}
+    if options.activation_scheme == "static":
+        out[f"{module}.input_scale"] = input_scale(module, options)
+    return out
+
+
+def quantization_config(hf: dict, options: Fp8ExportOptions) -> dict:
+    """The `quantization_config` of config.json (SGLang's and transformers' `fp8` method)."""
+    num_layers = int(hf["num_hidden_layers"])
+    kept = [i for i in range(num_layers)
+            if i < options.keep_first_layers or i >= num_layers - options.keep_last_layers]
+    linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": options.activation_scheme,
+              "modules_to_not_convert": ["lm_head", "model.embed_tokens"]
+              + [f"model.layers.{i}.{m}" for i in kept for m in linears]}
+    if options.scheme == "block":
+        config["weight_block_size"] = list(WEIGHT_BLOCK)
+    return config
+
+
+def _check_input_bounds(names: list[str], options: Fp8ExportOptions) -> None:
+    """Before writing: every static input scale needs an input bound."""
+    missing = sorted(n[: -len(".input_scale")] for n in names if n.endswith(".input_scale")
+                     and "input" not in options.bounds.get(n[: -len(".input_scale")], {}))
+    if missing:
+        raise CheckpointError(f"static activation scheme: no input bound for {', '.join(missing[:8])}"
+                              f"{' ...' if len(missing) > 8 else ''} (calibrate on prompts or pass "
+                              "recipe bounds)")
+
+
+TensorGroup = tuple[list[tuple[str, tuple, torch.dtype]], Callable[[], dict[str, torch.Tensor]]]
+"""(source tensors (name, shape, dtype), loader returning them)."""
+
+
+def hf_source(hf_dir: Path) -> list[TensorGroup]:
+    """Every tensor of an HF folder, one group each (read only when its group is written)."""
+    checkpoint = HFCheckpoint(hf_dir)
+
+    def loader(entry):
+        def load():
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+            checkpoint.read_rows(entry.name, 0, entry.shape[0] if entry.shape else 1,
+                                 tensor if tensor.dim() else tensor.view(1))
+            return {entry.name: tensor}
+        return load
+    return [([(e.name, e.shape, e.dtype)], loader(e)) for e in checkpoint.entries.values()]
+
+
+def megatron_source(megatron_dir: Path, hf: dict, dtype: torch.dtype | None,
+                    key_prefix: str = "") -> list[TensorGroup]:
+    """The HF tensors of a torch_dist checkpoint, one Megatron layer slice per group."""
+    units = plan_megatron_to_hf(hf, read_tensor_metadata(megatron_dir, key_prefix))
+
+    def loader(unit):
+        return lambda: {k: v.to(dtype or unit.dtype) for k, v in
+                        split_unit(unit, read_unit(megatron_dir, unit, key_prefix)).items()}
+    return [([(n, s, dtype or u.dtype) for n, s in u.hf], loader(u)) for u in units]
+
+
+def write_fp8_checkpoint(groups: Iterable[TensorGroup], hf: dict, output: Path,
+                         options: Fp8ExportOptions, progress: bool = True) -> dict[str, str]:
+    """Quantize and write every group into one model.safetensors; returns name -> file."""
+    groups = list(groups)
+    num_layers = int(hf["num_hidden_layers"])
+    entries = [e for source, _ in groups for n, s, d in source
+               for e in output_entries(n, s, d, num_layers, options)]
+    _check_input_bounds([n for n, _, _ in entries], options)
+    writer = SafetensorsWriter(output / "model.safetensors", entries)
+    for source, load in tqdm(groups, desc="export-fp8", disable=not progress):
+        for name, tensor in load().items():
+            for out_name, out_tensor in export_tensor(name, tensor, num_layers, options).items():
+                writer.write(out_name, out_tensor)
+    writer.close()
+    return {name: "model.safetensors" for name, _, _ in entries}
+
+
+def export_fp8(source_dir: Path, output_dir: Path, options: Fp8ExportOptions,
+               source: str = "hf", hf_config_dir: Path | None = None, overwrite: bool = False,
+               key_prefix: str = "", progress: bool = True) -> dict[str, str]:
+    """Export an HF folder (`source='hf'`) or a torch_dist checkpoint (`source='megatron'`)."""
+    source_dir, output_dir = Path(source_dir), Path(output_dir)
+    check_output(output_dir, overwrite)
+    side = Path(hf_config_dir) if hf_config_dir else (
+        source_dir if source == "hf" else source_dir / HF_SIDE_FOLDER)
+    if not (side / "config.json").is_file():
+        raise CheckpointError(f"no HF config.json in {side}; pass the HF config folder")
+    hf = json.loads((side / "config.json").read_text())
+    if source == "hf":
+        groups = hf_source(source_dir)
+    elif source == "megatron":
+        groups = megatron_source(source_dir, hf, hf_dtype(hf), key_prefix)
+    else:
+        raise ValueError(f"source must be 'hf' or 'megatron', not {source!r}")
+    with atomic_output(output_dir, overwrite) as tmp:
+        weight_map = write_fp8_checkpoint(groups, hf, tmp, options, progress)
+        copy_hf_side_files(side, tmp)
+        hf_out = dict(hf, quantization_config=quantization_config(hf, options))
+        (tmp / "config.json").write_text(json.dumps(hf_out, indent=2))
+    return weight_map
+
