@@ -100,8 +100,8 @@ class DelayedQuantizer:
         self.state = _on_device(self.state, x.device)
         result, self.last_stats = _per_tensor(x, self.state.scale, self.fmt, recalibrated=False)
         self.state.record(amax(x))
-        group = self.group if self.spec.reduce_amax else None
-        self.state.update(self.spec.amax_compute_algo, self.fmt.max, self.spec.margin, group)
+        spec = self.spec
+        self.state.update(spec.amax_compute_algo, self.fmt.max, spec.margin, self.group, spec.reduce_amax)
         return result
 
     def state_dict(self) -> dict:
@@ -123,7 +123,7 @@ class CalibratedQuantizer:
         self.last_stats: QuantStats | None = None
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
-        return all_reduce_max_(values, self.group if self.spec.reduce_amax else None)
+        return all_reduce_max_(values, self.group) if self.spec.reduce_amax else values
 
     def quantize(self, x: torch.Tensor) -> Fp8Tensor:
         spec, state = self.spec, _on_device(self.state, x.device)
@@ -144,7 +144,7 @@ class CalibratedQuantizer:
             state.scale = scale
             roll_amax_history_(state.amax_history)
         else:
-            state.update("max", self.fmt.max, spec.margin, group=None)
+            state.update("max", self.fmt.max, spec.margin, reduce=False)  # reduced above
         return result
 
     def _overflow(self, x: torch.Tensor) -> torch.Tensor:

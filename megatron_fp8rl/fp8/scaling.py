@@ -75,10 +75,14 @@ class DelayedScalingState:
         current = self.amax_history[0]
         self.amax_history[0] = torch.where(torch.isnan(amax), amax, torch.maximum(current, amax))
 
-    def update(self, algo: str, fp8_max: float, margin: int, group=None) -> torch.Tensor:
-        """Steps 2-5 of the module docstring; returns the new scale."""
-        row0 = self.amax_history[0:1].clone()
-        self.amax_history[0:1] = all_reduce_max_(row0, group)
+    def update(
+        self, algo: str, fp8_max: float, margin: int, group=None, reduce: bool = True
+    ) -> torch.Tensor:
+        """Steps 2-5 of the module docstring (step 2 only when `reduce`; `group` None is the
+        default group); returns the new scale."""
+        if reduce:
+            row0 = self.amax_history[0:1].clone()
+            self.amax_history[0:1] = all_reduce_max_(row0, group)
         bound = bound_from_history(self.amax_history, algo)
         self.scale = scale_from_bound(bound, fp8_max, margin, self.scale)
         roll_amax_history_(self.amax_history)

@@ -102,3 +102,14 @@ def test_all_reduce_is_a_no_op_without_a_process_group():
 def test_history_length_must_be_positive():
     with pytest.raises(ValueError, match="history length must be >= 1, found 0"):
         DelayedScalingState(0)
+
+
+@pytest.mark.multiprocess
+def test_amax_all_reduce_over_a_process_group():
+    """Starts 2 torchrun processes on gloo (tests/fp8/workers/amax_reduction.py)."""
+    from pathlib import Path
+
+    from tests.torchrun import run_torchrun
+
+    output = run_torchrun(Path(__file__).parent / "workers" / "amax_reduction.py", 2, timeout=300)
+    assert "rank 0 OK" in output and "rank 1 OK" in output
