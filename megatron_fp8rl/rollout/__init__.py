@@ -1,0 +1,17 @@
+"""Rollout: the engine interface the trainer uses and its SGLang implementations.
+
+Owns: `engine` (interface, dataclasses, errors), `weights` (validating updates), `sglang_common`
+(config and translation), `sglang_engine` (in-process Engine), `sglang_server` (server subprocess +
+HTTP client). Importing this package imports neither sglang nor requests' servers; the SGLang
+modules are imported by name.
+Must not import: models, convert, data, trainer, cli (layer L2 imports only L0/L1 of ours).
+"""
+from megatron_fp8rl.rollout.engine import (
+    RolloutEngine,
+    RolloutEngineError,
+    RolloutSample,
+    SamplingParams,
+    WeightUpdateError,
+)
+
+__all__ = ["RolloutEngine", "RolloutEngineError", "RolloutSample", "SamplingParams", "WeightUpdateError"]

@@ -1,0 +1,162 @@
+"""What the in-process SGLang engine and the SGLang server share: their configuration, the
+translation of our sampling parameters into SGLang's, and of SGLang's outputs into `RolloutSample`s.
+
+Owns: `SGLangConfig`, `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`.
+Must not import: models, convert, data, trainer, cli; and not sglang itself (the server client
+never imports it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
+
+# SGLang returns logprobs of logits / temperature unless this is set in its scheduler's environment
+# (DESIGN.md hazard 1); RL needs the temperature-1 policy's logprobs.
+ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """How to start SGLang for rollouts."""
+
+    model_path: str
+    """Hugging Face checkpoint folder (config.json + *.safetensors)."""
+    dtype: str = "auto"
+    """Weight/activation dtype SGLang serves in ("auto", "float32", "bfloat16")."""
+    device: str | None = None
+    """"cpu" or "cuda"; None picks cuda when available."""
+    attention_backend: str | None = None
+    """None picks "torch_native" on CPU and SGLang's default on GPU."""
+    max_total_tokens: int | None = None
+    """Cap on KV-cache tokens; set it on CPU, where SGLang otherwise sizes the cache from host RAM."""
+    mem_fraction_static: float | None = None
+    """Fraction of device memory for weights + KV cache; None keeps SGLang's default."""
+    random_seed: int = 0
+    """SGLang's global seed."""
+    deterministic: bool = False
+    """SGLang's deterministic inference (needed for per-sample seeds to take effect)."""
+    skip_tokenizer_init: bool = True
+    """Prompts and outputs are token ids; SGLang loads no tokenizer."""
+    initial_weight_version: int = 0
+    """The version reported for the checkpoint's own weights."""
+    log_level: str = "error"
+    """SGLang's log level."""
+    extra: dict = field(default_factory=dict)
+    """Further SGLang ServerArgs, passed through unchanged."""
+
+    def resolved_device(self) -> str:
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_model_dir(model_path: str) -> Path:
+    """Fail early, naming the path, when `model_path` is not a loadable HF checkpoint folder."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise RolloutEngineError(f"model directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise RolloutEngineError(f"model directory {path} has no config.json: not a Hugging Face checkpoint")
+    if not any(path.glob("*.safetensors")):
+        raise RolloutEngineError(f"model directory {path} has no *.safetensors weights")
+    return path
+
+
+def engine_kwargs(config: SGLangConfig) -> dict:
+    """SGLang ServerArgs for `config`, with the CPU tier's settings when the device is CPU."""
+    kwargs = dict(
+        model_path=str(config.model_path),
+        dtype=config.dtype,
+        device=config.resolved_device(),
+        random_seed=config.random_seed,
+        skip_tokenizer_init=config.skip_tokenizer_init,
+        log_level=config.log_level,
+        weight_version=str(config.initial_weight_version),
+    )
+    if config.resolved_device() == "cpu":
+        kwargs.update(attention_backend="torch_native", disable_cuda_graph=True)
+    if config.attention_backend is not None:
+        kwargs["attention_backend"] = config.attention_backend
+    if config.max_total_tokens is not None:
+        kwargs["max_total_tokens"] = config.max_total_tokens
+    if config.mem_fraction_static is not None:
+        kwargs["mem_fraction_static"] = config.mem_fraction_static
+    if config.deterministic:
+        kwargs["enable_deterministic_inference"] = True
+    kwargs.update(config.extra)
+    return kwargs
+
+
+def server_argv(config: SGLangConfig, host: str, port: int) -> list[str]:
+    """`python -m sglang.launch_server` arguments for `config`."""
+    argv = []
+    for key, value in {**engine_kwargs(config), "host": host, "port": port}.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def sglang_sampling(sampling: SamplingParams, num_samples: int) -> list[dict]:
+    """One SGLang sampling-params dict per sample; sample j gets seed + j when a seed is set."""
+    base = dict(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_new_tokens=sampling.max_new_tokens,
+    )
+    if sampling.stop_token_ids:
+        base["stop_token_ids"] = list(sampling.stop_token_ids)
+    out = []
+    for j in range(num_samples):
+        params = dict(base)
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed + j
+        out.append(params)
+    return out
+
+
+def expand_prompts(prompt_token_ids: list[list[int]], n: int) -> list[list[int]]:
+    """Prompt-major repetition: [p0]*n + [p1]*n + ...; checks the prompts are non-empty int lists."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for i, prompt in enumerate(prompt_token_ids):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+    return [list(map(int, prompt)) for prompt in prompt_token_ids for _ in range(n)]
+
+
+def parse_outputs(outputs: list[dict], prompts: list[list[int]], n: int, initial_version: int) -> list[RolloutSample]:
+    """SGLang's generate outputs (one dict per expanded prompt) -> `RolloutSample`s."""
+    if len(outputs) != len(prompts) * n:
+        raise RolloutEngineError(f"SGLang returned {len(outputs)} outputs, expected {len(prompts) * n}")
+    samples = []
+    for j, out in enumerate(outputs):
+        meta = out["meta_info"]
+        token_logprobs = meta["output_token_logprobs"]
+        token_ids = [int(t) for t in out["output_ids"]]
+        if [int(t) for _, t, _ in token_logprobs] != token_ids:
+            raise RolloutEngineError(f"sample {j}: SGLang's logprob tokens do not match its output tokens")
+        spans = meta.get("weight_versions") or [{"version": meta["weight_version"]}]
+        samples.append(
+            RolloutSample(
+                prompt_index=j // n,
+                prompt_token_ids=prompts[j // n],
+                token_ids=token_ids,
+                logprobs=[float(lp) for lp, _, _ in token_logprobs],
+                finish_reason=meta["finish_reason"]["type"] if meta.get("finish_reason") else "abort",
+                # With several spans (weights changed mid-sample) report the oldest: it bounds how
+                # off-policy the sample is.
+                weight_version=min(_version(s["version"], initial_version) for s in spans),
+                meta={"weight_versions": spans},
+            )
+        )
+    return samples
+
+
+def _version(label: str, initial_version: int) -> int:
+    return initial_version if label == "default" else int(label)

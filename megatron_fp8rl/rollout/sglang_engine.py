@@ -1,0 +1,185 @@
+"""SGLang's Engine running inside this process (its scheduler and detokenizer are child processes).
+
+Owns: `SGLangEngine`, the in-process implementation of `RolloutEngine`: start-up with the CPU tier's
+stand-ins, generation with temperature-1 logprobs, validated weight updates through
+`update_weights_from_tensor` between `begin_weight_update()`/`end_weight_update()`, and a
+shutdown that stops only the processes this engine started.
+Must not import: models, convert, data, trainer, cli.
+
+SGLang 0.5.23 behaviours handled here (measured on CPU):
+- A child failure makes the stock Engine kill its whole process tree, the host included; the
+  engine installs `compat.sglang_cpu.contain_child_failures`, so a failure becomes a
+  `RolloutEngineError` on the pending call and every later one.
+- `Engine.shutdown()` kills *every* child of the host process (a trainer's checkpoint manager or a
+  second engine too); `shutdown` here kills only the children this engine started.
+- `sglang.Engine` switches multiprocessing to "spawn" for the whole host process, and this class
+  sets SGLANG_RETURN_ORIGINAL_LOGPROB=1 (DESIGN.md hazard 1) in the host's environment, which its
+  children inherit.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Iterable
+
+import psutil
+import torch
+
+from megatron_fp8rl.compat import sglang_cpu
+from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
+from megatron_fp8rl.rollout.sglang_common import (
+    ENGINE_ENV,
+    SGLangConfig,
+    check_model_dir,
+    engine_kwargs,
+    expand_prompts,
+    parse_outputs,
+    sglang_sampling,
+)
+from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
+
+
+class SGLangEngine:
+    """`RolloutEngine` backed by `sglang.Engine` in this process."""
+
+    def __init__(self, config: SGLangConfig):
+        self.config = config
+        check_model_dir(config.model_path)
+        self.expected = ExpectedWeights.from_checkpoint(config.model_path)
+        self.weight_version = config.initial_weight_version
+        self._failure: str | None = None
+        self._child_pids: set[int] = set()
+        self._engine = None
+        self._start()
+
+    def _start(self) -> None:
+        if self.config.resolved_device() == "cpu":
+            sglang_cpu.install()
+        os.environ.update(ENGINE_ENV)
+        import sglang  # after install(): sglang decides its CPU mode at import time
+
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            self._engine = sglang.Engine(**engine_kwargs(self.config), custom_sigquit_handler=self._on_signal)
+        except BaseException as err:
+            self._child_pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
+            self._kill_children()
+            raise RolloutEngineError(
+                f"SGLang could not start on model directory {self.config.model_path}: "
+                f"{type(err).__name__}: {err}{self._failure_note()}"
+            ) from err
+        self._child_pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        sglang_cpu.contain_child_failures(self._engine, self._on_child_failure)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._failure = "an SGLang child process failed (SIGQUIT)"
+
+    def _on_child_failure(self) -> None:
+        self._failure = "an SGLang child process (scheduler or detokenizer) failed"
+        self._engine.loop.stop()
+
+    def _failure_note(self) -> str:
+        return f" ({self._failure}; see SGLang's log above)" if self._failure else ""
+
+    def _run(self, what: str, call):
+        """Run one engine call; a dead engine or a child failure becomes a RolloutEngineError."""
+        if self._engine is None:
+            raise RolloutEngineError(f"{what}: the SGLang engine is shut down")
+        if self._failure:
+            raise RolloutEngineError(f"{what}: the SGLang engine is dead: {self._failure}")
+        try:
+            return call()
+        except RuntimeError as err:
+            if self._failure:
+                raise RolloutEngineError(f"{what}: the SGLang engine died: {self._failure}") from err
+            raise
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[RolloutSample]:
+        """n samples per prompt (prompt-major), with temperature-1 logprobs and the weight version."""
+        expanded = expand_prompts(prompt_token_ids, n)
+        outputs = self._run(
+            "generate",
+            lambda: self._engine.generate(
+                input_ids=expanded, sampling_params=sglang_sampling(sampling, len(expanded)), return_logprob=True
+            ),
+        )
+        return parse_outputs(outputs, [list(p) for p in prompt_token_ids], n, self.config.initial_weight_version)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Validate every tensor against the served checkpoint, then load them in one session.
+        A refused update raises `WeightUpdateError` and leaves the served weights unchanged."""
+        checked = validate_named_tensors(named_tensors, self.expected)
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize([(n, t.detach().cpu().contiguous()) for n, t in checked])],
+            flush_cache=True,
+            weight_version=str(version),
+        )
+        manager = self._engine.tokenizer_manager if self._engine else None
+        self._expect_success("begin_weight_update", lambda: self._engine.begin_weight_update())
+        try:
+            self._expect_success(
+                "update_weights_from_tensor",
+                lambda: self._engine.loop.run_until_complete(manager.update_weights_from_tensor(request, None)),
+            )
+        finally:
+            self._expect_success("end_weight_update", lambda: self._engine.end_weight_update())
+        self.weight_version = version
+
+    def _expect_success(self, what: str, call) -> None:
+        result = self._run(what, call)
+        success, message = result[0], result[1]
+        if not success:
+            raise RolloutEngineError(f"SGLang {what} failed: {message}")
+
+    def release_memory(self) -> None:
+        """Colocated mode. On CPU a no-op: SGLang releases memory through torch_memory_saver, which
+        intercepts CUDA allocations only (and the CPU tier's host RAM is not contended)."""
+        if self.config.resolved_device() != "cpu":
+            self._run("release_memory", lambda: self._engine.release_memory_occupation())
+
+    def resume_memory(self) -> None:
+        """Colocated mode: undo `release_memory` (no-op on CPU, see there)."""
+        if self.config.resolved_device() != "cpu":
+            self._run("resume_memory", lambda: self._engine.resume_memory_occupation())
+
+    def health(self) -> bool:
+        """Whether the engine is up and its child processes are alive."""
+        if self._engine is None or self._failure:
+            return False
+        return all(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in self._child_pids)
+
+    def shutdown(self) -> None:
+        """Stop this engine's child processes (only those). Idempotent."""
+        if self._engine is None:
+            return
+        watchdog = getattr(self._engine.tokenizer_manager, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+        self._kill_children()
+        # The stock Engine registered its own shutdown, which kills every child of this process.
+        atexit.unregister(self._engine.shutdown)
+        self._engine = None
+
+    def _kill_children(self) -> None:
+        procs = []
+        for pid in self._child_pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                continue
+        psutil.wait_procs(procs, timeout=30)
+        self._child_pids = set()
+
+    def __enter__(self) -> "SGLangEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,258 @@
+"""SGLang as an HTTP server in a child process, and the client the trainer uses to talk to it.
+
+Owns: `SGLangServer` (a `RolloutEngine`): starting `python -m sglang.launch_server` on a loopback port
+with the CPU tier's stand-ins, waiting for /health, an HTTP client with timeouts and bounded retries,
+weight updates through /update_weights_from_disk, and a shutdown that also happens when this process
+dies (the server gets PR_SET_PDEATHSIG=SIGKILL; SGLang's own children die with the server).
+Must not import: models, convert, data, trainer, cli; nor sglang (the server runs in its own process).
+
+Weight updates go through disk because /update_weights_from_tensor ships torch's multiprocessing
+handles, which for CPU tensors are file descriptors that cannot travel over HTTP.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable
+
+import requests
+import torch
+from safetensors.torch import save_file
+
+from megatron_fp8rl.compat import sglang_cpu
+from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
+from megatron_fp8rl.rollout.sglang_common import (
+    ENGINE_ENV,
+    SGLangConfig,
+    check_model_dir,
+    expand_prompts,
+    parse_outputs,
+    server_argv,
+    sglang_sampling,
+)
+from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise RolloutEngineError naming host:port when something already holds it."""
+    with socket.socket() as sock:
+        # Mirror the server's SO_REUSEADDR: only a live listener, not a TIME_WAIT leftover, blocks it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise RolloutEngineError(f"cannot start SGLang server: port {host}:{port} is already in use") from err
+            raise RolloutEngineError(f"cannot start SGLang server on {host}:{port}: {err}") from err
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL the server when the thread that started it dies (Linux)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class SGLangServer:
+    """`RolloutEngine` backed by an SGLang HTTP server in a child process."""
+
+    def __init__(
+        self,
+        config: SGLangConfig,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 300.0,
+        retries: int = 2,
+        log_path: str | Path | None = None,
+    ):
+        self.config = config
+        self.host = host
+        self.port = port
+        self.startup_timeout_s = startup_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.retries = retries
+        check_model_dir(config.model_path)
+        self.expected = ExpectedWeights.from_checkpoint(config.model_path)
+        self.weight_version = config.initial_weight_version
+        self._workdir = tempfile.TemporaryDirectory(prefix="sglang_server_")
+        self.log_path = Path(log_path) if log_path else Path(self._workdir.name) / "server.log"
+        self._session = requests.Session()
+        self._proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        """Start the server (again, after a crash or shutdown) and wait until /health answers 200."""
+        self.shutdown()
+        self.port = self.port or free_port(self.host)
+        check_port_free(self.host, self.port)
+        env = sglang_cpu.subprocess_env() if self.config.resolved_device() == "cpu" else dict(os.environ)
+        env.update(ENGINE_ENV)
+        argv = [sys.executable, "-m", "sglang.launch_server", *server_argv(self.config, self.host, self.port)]
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent, start_new_session=True,
+            )
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._proc = None
+                raise RolloutEngineError(
+                    f"SGLang server for {self.config.model_path} on {self.url} exited with code {code} "
+                    f"during start-up; last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.health():
+                return
+            time.sleep(0.5)
+        self.shutdown()
+        raise RolloutEngineError(
+            f"SGLang server on {self.url} not healthy after {self.startup_timeout_s:.0f} s; "
+            f"last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _post(self, path: str, payload: dict, timeout_s: float | None = None) -> dict | list:
+        """POST with a timeout; retries only when the connection could not be made (the request
+        never reached the server), and never once the server process is gone."""
+        timeout = timeout_s or self.request_timeout_s
+        for attempt in range(self.retries + 1):
+            self._check_alive(path)
+            try:
+                response = self._session.post(self.url + path, json=payload, timeout=(5.0, timeout))
+            except requests.ConnectionError as err:
+                if attempt == self.retries or self._proc is None or self._proc.poll() is not None:
+                    self._check_alive(path)
+                    raise RolloutEngineError(f"SGLang server {self.url}{path}: connection failed: {err}") from err
+                time.sleep(0.5 * 2**attempt)
+                continue
+            except requests.Timeout as err:
+                raise RolloutEngineError(f"SGLang server {self.url}{path}: no answer within {timeout:.0f} s") from err
+            if response.status_code != 200:
+                raise RolloutEngineError(
+                    f"SGLang server {self.url}{path}: HTTP {response.status_code}: {response.text[:500]}"
+                )
+            return response.json()
+        raise AssertionError("unreachable")
+
+    def _check_alive(self, what: str) -> None:
+        if self._proc is None:
+            raise RolloutEngineError(f"SGLang server {self.url}{what}: the server is not running")
+        code = self._proc.poll()
+        if code is not None:
+            raise RolloutEngineError(
+                f"SGLang server {self.url}{what}: the server process (pid {self._proc.pid}) died with "
+                f"code {code}; last lines of {self.log_path}:\n{self.log_tail(10)}"
+            )
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[RolloutSample]:
+        """n samples per prompt (prompt-major), with temperature-1 logprobs and the weight version."""
+        expanded = expand_prompts(prompt_token_ids, n)
+        outputs = self._post(
+            "/generate",
+            {"input_ids": expanded, "sampling_params": sglang_sampling(sampling, len(expanded)), "return_logprob": True},
+        )
+        return parse_outputs(outputs, [list(p) for p in prompt_token_ids], n, self.config.initial_weight_version)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Validate, write the tensors as a safetensors checkpoint in the server's work folder, and
+        have the server load it (/update_weights_from_disk). A refused update changes nothing."""
+        checked = validate_named_tensors(named_tensors, self.expected)
+        update_dir = Path(self._workdir.name) / f"weights_v{version}"
+        update_dir.mkdir(exist_ok=True)
+        for name in ("config.json", "generation_config.json"):
+            source = Path(self.config.model_path) / name
+            if source.is_file():
+                (update_dir / name).write_bytes(source.read_bytes())
+        save_file({n: t.detach().cpu().contiguous() for n, t in checked}, str(update_dir / "model.safetensors"))
+        try:
+            result = self._post(
+                "/update_weights_from_disk", {"model_path": str(update_dir), "weight_version": str(version)}
+            )
+        finally:
+            (update_dir / "model.safetensors").unlink(missing_ok=True)
+        if not result.get("success"):
+            raise RolloutEngineError(f"SGLang update_weights_from_disk failed: {result.get('message')}")
+        self.weight_version = version
+
+    def release_memory(self) -> None:
+        """Colocated mode. On CPU a no-op: SGLang's memory release (torch_memory_saver) is CUDA-only."""
+        if self.config.resolved_device() != "cpu":
+            self._post("/release_memory_occupation", {})
+
+    def resume_memory(self) -> None:
+        """Colocated mode: undo `release_memory` (no-op on CPU)."""
+        if self.config.resolved_device() != "cpu":
+            self._post("/resume_memory_occupation", {})
+
+    def health(self) -> bool:
+        """Whether the server process is alive and /health answers 200 within 5 s."""
+        if self._proc is None or self._proc.poll() is not None:
+            return False
+        try:
+            return self._session.get(self.url + "/health", timeout=5.0).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def shutdown(self) -> None:
+        """SIGTERM the server's process group, SIGKILL it after 15 s. Idempotent."""
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+    def kill(self) -> None:
+        """SIGKILL the server process alone (tests: a crash); its SGLang children follow it."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def close(self) -> None:
+        """Shut down and remove the work folder."""
+        self.shutdown()
+        self._session.close()
+        self._workdir.cleanup()
+
+    def __enter__(self) -> "SGLangServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

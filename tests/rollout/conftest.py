@@ -1,0 +1,20 @@
+"""Fixtures for the rollout tests: tiny checkpoints and SGLang configs sized for a 2-core CPU box."""
+import pytest
+
+from megatron_fp8rl.rollout.sglang_common import SGLangConfig
+from tests.rollout.tiny_models import build_tiny_model
+
+# fp32 so SGLang and transformers run the same arithmetic; a 2048-token KV cache keeps RAM small.
+CPU_CONFIG = dict(dtype="float32", max_total_tokens=2048, mem_fraction_static=0.8)
+
+sglang = pytest.importorskip("sglang", reason="SGLang is not installed (requirements/sglang-cpu.txt)")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """family -> folder of a tiny random-weight checkpoint with its tokenizer."""
+    return {f: build_tiny_model(f, tmp_path_factory.mktemp(f)) for f in ("qwen3", "llama")}
+
+
+def sglang_config(model_dir, **overrides) -> SGLangConfig:
+    return SGLangConfig(model_path=str(model_dir), **{**CPU_CONFIG, **overrides})

@@ -1,0 +1,60 @@
+"""Weight-update validation against a checkpoint's safetensors headers (no SGLang needed)."""
+import pytest
+import torch
+
+from megatron_fp8rl.rollout.engine import WeightUpdateError
+from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
+from tests.rollout.tiny_models import build_tiny_model, load_hf
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+def test_expected_names_and_shapes_equal_the_hf_state_dict(qwen3_dir):
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    hf = {name: tuple(t.shape) for name, t in load_hf(qwen3_dir).state_dict().items()}
+    assert expected.shapes == hf
+
+
+def test_full_and_partial_updates_pass(qwen3_dir):
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    state = load_hf(qwen3_dir).state_dict()
+    assert len(validate_named_tensors(state.items(), expected)) == len(state)
+    assert len(validate_named_tensors([("lm_head.weight", state["lm_head.weight"])], expected)) == 1
+
+
+def test_fused_name_is_refused_and_points_at_its_shards(qwen3_dir):
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    with pytest.raises(WeightUpdateError, match=r"'model.layers.0.self_attn.qkv_proj.weight' is not a parameter") as err:
+        validate_named_tensors([("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(128, 64))], expected)
+    assert "model.layers.0.self_attn." in str(err.value).split("e.g.")[1]
+
+
+@pytest.mark.parametrize(
+    "tensor, message",
+    [
+        (torch.zeros(64, 128), r"shape \(64, 128\), expected \(128, 64\)"),
+        (torch.zeros(128, 64, dtype=torch.int32), "dtype torch.int32"),
+        (torch.full((128, 64), float("nan")), "non-finite"),
+    ],
+)
+def test_bad_tensor_is_refused_naming_it(qwen3_dir, tensor, message):
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    with pytest.raises(WeightUpdateError, match=rf"'lm_head.weight'.*{message}"):
+        validate_named_tensors([("lm_head.weight", tensor)], expected)
+
+
+def test_duplicate_and_empty_updates_are_refused(qwen3_dir):
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    weight = torch.zeros(128, 64)
+    with pytest.raises(WeightUpdateError, match="given twice"):
+        validate_named_tensors([("lm_head.weight", weight), ("lm_head.weight", weight)], expected)
+    with pytest.raises(WeightUpdateError, match="no tensors"):
+        validate_named_tensors([], expected)
+
+
+def test_folder_without_safetensors_is_refused(tmp_path):
+    with pytest.raises(WeightUpdateError, match=str(tmp_path)):
+        ExpectedWeights.from_checkpoint(tmp_path)
