@@ -34,9 +34,8 @@ def test_aggregation_modes_hand_case(mode, expected):
 
 
 def test_aggregation_overrides():
-    assert aggregate_loss(LOSSES, MASK, "seq-mean-token-sum-norm", max_response_length=10).item() == pytest.approx(
-        (6 / 10 + 5 / 10) / 2
-    )
+    normalized = aggregate_loss(LOSSES, MASK, "seq-mean-token-sum-norm", max_response_length=10)
+    assert normalized.item() == pytest.approx((6 / 10 + 5 / 10) / 2)
     assert aggregate_loss(LOSSES, MASK, "token-mean", denominator=22).item() == pytest.approx(0.5)
     assert aggregate_loss(LOSSES, MASK, "seq-mean-token-sum", denominator=11).item() == pytest.approx(1.0)
 
@@ -132,7 +131,8 @@ def test_kl_and_entropy_terms_enter_the_total():
 def test_correction_weights_scale_token_losses():
     logprobs = torch.zeros(1, 3, requires_grad=True)
     weights = torch.tensor([[2.0, 0.0, 0.5]])
-    out = policy_loss(logprobs, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3), correction_weights=weights)
+    out = policy_loss(logprobs, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3),
+                      correction_weights=weights)
     assert out.loss.item() == pytest.approx(-(2.0 + 0.0 + 0.5) / 3)
     out.loss.backward()
     torch.testing.assert_close(logprobs.grad, -weights / 3)
@@ -148,7 +148,8 @@ def test_bad_inputs_name_the_tensor():
         policy_loss(ok, torch.zeros(3), ok, ok)
     nan_advantages = ok.clone()
     nan_advantages[1, 2] = float("nan")
-    with pytest.raises(RLInputError, match=r"advantages has 1 non-finite value\(s\) \(first at index \(1, 2\)"):
+    nan_message = r"advantages has 1 non-finite value\(s\) \(first at index \(1, 2\)"
+    with pytest.raises(RLInputError, match=nan_message):
         policy_loss(ok, ok, nan_advantages, ok)
     with pytest.raises(RLInputError, match="ref_logprobs is None"):
         policy_loss(ok, ok, ok, ok, kl_coef=0.1)

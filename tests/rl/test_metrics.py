@@ -9,17 +9,17 @@ from megatron_fp8rl.rl.metrics import clip_metrics, entropy_metrics, mismatch_me
 
 
 def test_clip_metrics_hand_case():
-    ratio = torch.tensor([[1.5, 0.7, 1.0, 9.0], [0.5, 4.0, 1.1, 100.0]])
+    ratio = torch.tensor([[1.5, 1.25, 1.0, 9.0], [0.5, 4.0, 1.1, 100.0]])
     advantages = torch.tensor([[1.0, 1.0, -1.0, 1.0], [-1.0, -1.0, 0.0, -1.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)  # 9.0 and 100.0 are padding
     metrics = clip_metrics(ratio, advantages, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
-    # Upper clip: 1.5 (A>0). Lower clip: 0.5 (A<0). Dual clip: 4.0 (A<0, > 3).
+    # Upper clip: 1.5 (A>0; 1.25 is inside 1 + 0.28). Lower clip: 0.5 (A<0). Dual clip: 4.0 (A<0, > 3).
     assert metrics["clip_frac_high"].item() == pytest.approx(1 / 6)
     assert metrics["clip_frac_low"].item() == pytest.approx(1 / 6)
     assert metrics["dual_clip_frac"].item() == pytest.approx(1 / 6)
     assert metrics["ratio_min"].item() == 0.5
     assert metrics["ratio_max"].item() == 4.0
-    assert math.isclose(metrics["ratio_mean"].item(), (1.5 + 0.7 + 1.0 + 0.5 + 4.0 + 1.1) / 6, rel_tol=1e-6)
+    assert math.isclose(metrics["ratio_mean"].item(), (1.5 + 1.25 + 1.0 + 0.5 + 4.0 + 1.1) / 6, rel_tol=1e-6)
 
 
 def test_clip_metrics_without_dual_clip_reports_zero():
@@ -29,16 +29,16 @@ def test_clip_metrics_without_dual_clip_reports_zero():
 
 
 def test_mismatch_metrics_hand_case():
-    delta = torch.tensor([[math.log(2.0), -math.log(2.0), 0.0, 5.0]])
+    delta = torch.tensor([[math.log(2.0), -math.log(4.0), 0.0, 5.0]])
     rollout = torch.full((1, 4), -1.0)
     mask = torch.tensor([[1, 1, 1, 0]])
     metrics = mismatch_metrics(rollout + delta, rollout, mask)
     ln2 = math.log(2.0)
-    assert math.isclose(metrics["mismatch_abs_logprob_diff_mean"].item(), 2 * ln2 / 3, rel_tol=1e-6)
-    assert math.isclose(metrics["mismatch_abs_logprob_diff_max"].item(), ln2, rel_tol=1e-6)
-    # k3 = exp(Δ) - 1 - Δ: (1 - ln2) + (-0.5 + ln2) + 0 = 0.5 over 3 tokens.
-    assert math.isclose(metrics["mismatch_k3_kl"].item(), 0.5 / 3, rel_tol=1e-5)
-    assert math.isclose(metrics["mismatch_prob_error"].item(), math.exp(2 * ln2 / 3), rel_tol=1e-6)
+    assert math.isclose(metrics["mismatch_abs_logprob_diff_mean"].item(), ln2, rel_tol=1e-6)
+    assert math.isclose(metrics["mismatch_abs_logprob_diff_max"].item(), 2 * ln2, rel_tol=1e-6)
+    # k3 = exp(Δ) - 1 - Δ: (1 - ln2) + (-0.75 + 2 ln2) + 0 = 0.25 + ln2 over 3 tokens.
+    assert math.isclose(metrics["mismatch_k3_kl"].item(), (0.25 + ln2) / 3, rel_tol=1e-5)
+    assert math.isclose(metrics["mismatch_prob_error"].item(), 2.0, rel_tol=1e-6)
 
 
 def test_empty_mask_gives_zero_means_and_nan_extrema():

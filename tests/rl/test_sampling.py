@@ -41,12 +41,14 @@ def test_shape_overlong_rewards_adds_penalty():
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     lengths = torch.tensor([[8, 19], [18, 30]])
     expected = torch.tensor([[1.0, -0.75], [0.5, 0.0]])
-    torch.testing.assert_close(shape_overlong_rewards(rewards, lengths, max_length=20, buffer_length=4), expected)
+    shaped = shape_overlong_rewards(rewards, lengths, max_length=20, buffer_length=4)
+    torch.testing.assert_close(shaped, expected)
 
 
 def test_shape_overlong_rewards_rejects_bad_input():
     with pytest.raises(RLInputError, match="rewards has 1 non-finite"):
-        shape_overlong_rewards(torch.tensor([float("nan"), 1.0]), torch.tensor([1, 2]), max_length=4, buffer_length=2)
+        shape_overlong_rewards(torch.tensor([float("nan"), 1.0]), torch.tensor([1, 2]), max_length=4,
+                               buffer_length=2)
     with pytest.raises(RLInputError, match="response_lengths has shape"):
         shape_overlong_rewards(torch.zeros(3), torch.zeros(2), max_length=4, buffer_length=2)
     with pytest.raises(RLInputError, match="buffer_length"):
