@@ -86,6 +86,8 @@ def scale_from_bound(
     `bound` is the value that maps to fp8_max / 2**margin (TE calls it amax). Where the bound is
     <= 0, NaN or inf the old scale is kept (1.0 when none is given); a scale that overflows fp32
     (tiny bound) becomes FP32_MAX. Elementwise over any shape; returns fp32 of bound's shape.
+    Evaluated exactly as TE's eager `_default_sf_compute` is (torch computes `float / Tensor` as
+    fp8_max * reciprocal(bound)), so the two agree bit for bit.
     """
     bound = bound.float()
     if old_scale is None:
