@@ -102,8 +102,10 @@ class SGLangServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
-        """Start the server (again, after a crash or shutdown) and wait until /health answers 200."""
+        """Start the server (again, after a crash or shutdown) and wait until /health answers 200.
+        A (re)started server serves the checkpoint on disk: the weight version resets."""
         self.shutdown()
+        self.weight_version = self.config.initial_weight_version
         self.port = self.port or free_port(self.host)
         check_port_free(self.host, self.port)
         env = sglang_cpu.subprocess_env() if self.config.resolved_device() == "cpu" else dict(os.environ)

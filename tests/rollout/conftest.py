@@ -1,4 +1,6 @@
 """Fixtures for the rollout tests: tiny checkpoints and SGLang configs sized for a 2-core CPU box."""
+import importlib.util
+
 import pytest
 
 from megatron_fp8rl.rollout.sglang_common import SGLangConfig
@@ -7,7 +9,10 @@ from tests.rollout.tiny_models import build_tiny_model
 # fp32 so SGLang and transformers run the same arithmetic; a 2048-token KV cache keeps RAM small.
 CPU_CONFIG = dict(dtype="float32", max_total_tokens=2048, mem_fraction_static=0.8)
 
-sglang = pytest.importorskip("sglang", reason="SGLang is not installed (requirements/sglang-cpu.txt)")
+# Not imported here: sglang must first be imported after megatron_fp8rl.compat.sglang_cpu.install().
+needs_sglang = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None, reason="SGLang is not installed (requirements/sglang-cpu.txt)"
+)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,92 @@
+"""SGLang as a server subprocess behind the HTTP client, on CPU with the real SGLang.
+The slow tests share one server (a tiny Llama; 1 server process + 2 SGLang children)."""
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
+from megatron_fp8rl.rollout.sglang_server import SGLangServer
+from tests.rollout import hf_reference as hf
+from tests.rollout.conftest import needs_sglang, sglang_config
+from tests.rollout.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
+
+pytestmark = needs_sglang
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12]]
+LOGPROB_ATOL = 1e-4
+
+
+def test_port_in_use_is_a_clear_error(tiny_dirs):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(RolloutEngineError, match=rf"port 127\.0\.0\.1:{port} is already in use"):
+            SGLangServer(sglang_config(tiny_dirs["llama"]), port=port)
+        assert time.monotonic() - started < 5
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(RolloutEngineError, match=f"{tmp_path / 'nope'} does not exist"):
+        SGLangServer(sglang_config(tmp_path / "nope"))
+
+
+@pytest.mark.slow
+def test_unloadable_model_directory_reports_the_server_log(tiny_dirs, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_dirs["llama"].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(RolloutEngineError, match=r"(?s)exited with code .* during start-up.*SafetensorError"):
+        SGLangServer(sglang_config(broken), startup_timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs):
+    srv = SGLangServer(sglang_config(tiny_dirs["llama"]))
+    yield srv
+    srv.close()
+
+
+@pytest.mark.slow
+def test_server_greedy_and_logprobs_equal_transformers(server, tiny_dirs):
+    model = load_hf(tiny_dirs["llama"])
+    for sample, prompt in zip(server.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10)), PROMPTS):
+        assert sample.token_ids == hf.greedy(model, prompt, 10, EOS_TOKEN_ID)
+        want = hf.token_logprobs(model, prompt, sample.token_ids)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=LOGPROB_ATOL, rtol=0)
+        assert sample.weight_version == 0
+
+
+@pytest.mark.slow
+def test_server_update_from_disk_bumps_version_and_refuses_bad_names(server, tiny_dirs):
+    new_weights = random_state_dict(tiny_dirs["llama"], seed=3)
+    with pytest.raises(WeightUpdateError, match="gate_up_proj.weight' is not a parameter"):
+        server.update_weights([("model.layers.0.mlp.gate_up_proj.weight", torch.zeros(256, 64))], version=5)
+    server.update_weights(new_weights.items(), version=2)
+    model = load_hf(tiny_dirs["llama"])
+    hf.load_state_dict(model, new_weights)
+    for sample, prompt in zip(server.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10)), PROMPTS):
+        assert sample.token_ids == hf.greedy(model, prompt, 10, EOS_TOKEN_ID)
+        assert sample.weight_version == 2
+
+
+@pytest.mark.slow
+def test_server_killed_mid_request_is_a_clear_error_and_restart_works(server):
+    killer = threading.Timer(0.5, server.kill)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(RolloutEngineError, match=r"server process \(pid \d+\) died with code -9"):
+        server.generate([[5, 6, 7]] * 16, SamplingParams(temperature=1.0, max_new_tokens=200), n=4)
+    killer.join()
+    assert time.monotonic() - started < 60
+    assert not server.health()
+    server.start()
+    assert server.health()
+    assert server.weight_version == 0  # a restarted server serves the checkpoint on disk again
+    assert len(server.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4))) == 2
