@@ -143,12 +143,14 @@ def init_distributed(
 
 
 def shutdown_distributed() -> None:
-    """Tear down Megatron's parallel state and the default process group."""
+    """Tear down Megatron's parallel state, the default process group and the CPU shims
+    (undoing everything `init_distributed` set up)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    megatron_cpu.disable()
 
 
 def _free_port() -> int:

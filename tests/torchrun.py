@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,16 +19,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 600) -> str:
-    """Start `script` in `nproc` processes on one node; return combined output; fail with it."""
+def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 600,
+                 expect_failure: bool = False) -> str:
+    """Start `script` in `nproc` processes on one node; return combined output.
+
+    Raises with the output when the run fails (or, with `expect_failure`, when it succeeds).
+    The run gets its own session, killed as a whole at the end: a worker that dies hard (SIGKILL)
+    leaves helper processes (dist_checkpointing's multiprocessing Manager) that would otherwise
+    outlive the test and hold its output open.
+    """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         str(script), *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    output = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise AssertionError(f"torchrun {script.name} x{nproc} exited {proc.returncode}:\n{output[-6000:]}")
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.seek(0)
+        output = log.read()
+    if (returncode != 0) != expect_failure:
+        expectation = "to fail" if expect_failure else "to succeed"
+        raise AssertionError(f"torchrun {script.name} x{nproc} exited {returncode}, expected it "
+                             f"{expectation}:\n{output[-6000:]}")
     return output

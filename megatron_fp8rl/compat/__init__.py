@@ -1,6 +1,10 @@
 """Version shims: the only place that knows which library version needs which workaround.
 
-Owns: running megatron-core on CPU (`megatron_cpu`). Later: SGLang's CUDA-only imports on CPU and
-the translation of our FP8 recipe into Transformer Engine's recipe classes.
+Owns:
+- `megatron_cpu`: running megatron-core on CPU (CUDA calls redirected, device arguments rewritten).
+- `megatron_optim`: megatron-core optimizer checkpoint quirks without Apex/TE.
+- `megatron_fp8_linear`: Megatron local-spec linears computing through our FP8 linear.
+- `te_recipe`: our FP8 recipe as a Transformer Engine `DelayedScaling` subclass (TE imported lazily).
+- `sglang_cpu`: SGLang's CUDA-only imports on CPU.
 Must not import: anything above layer L1 (models, convert, rollout, data, trainer, cli).
 """
