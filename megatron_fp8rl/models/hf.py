@@ -25,6 +25,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_fp8rl.compat.megatron_fp8_linear import fp8_local_layer_spec
+from megatron_fp8rl.fp8.recipe import Fp8Recipe
 from megatron_fp8rl.models.family import ModelFamily, UnsupportedModelError
 from megatron_fp8rl.models.gpt import build_gpt_model
 from megatron_fp8rl.models.registry import family_for
@@ -154,33 +156,28 @@ def transformer_engine_usable() -> bool:
 def layer_spec(
     qk_layernorm: bool,
     use_te: bool | None = None,
-    linear_modules: tuple[type, type] | None = None,
+    fp8_recipe: Fp8Recipe | None = None,
 ) -> ModuleSpec:
     """The transformer layer spec: TE's when `use_te` (default: when TE is usable), else local.
 
-    `linear_modules` = (column-parallel class, row-parallel class) replaces Megatron's local
-    linears, e.g. with the FP8 linear drop-ins of the FP8 issue on the CPU tier. Both specs store
-    the same checkpoint keys (the local spec maps its separate norms onto TE's fused names).
+    With `fp8_recipe` the local spec's linears are our FP8 drop-ins
+    (megatron_fp8rl.compat.megatron_fp8_linear); under TE, FP8 comes from TE's autocast with the
+    recipe instead, so the spec is unchanged. Both specs store the same checkpoint keys (the local
+    spec maps its separate norms onto TE's fused names).
     """
     use_te = transformer_engine_usable() if use_te is None else use_te
     if use_te:
-        if linear_modules is not None:
-            raise ValueError("linear_modules replace local-spec linears; TE does its own FP8")
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
-    if linear_modules is not None:
-        column, row = linear_modules
-        attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
-        attention.linear_qkv, attention.linear_proj = column, row
-        mlp.linear_fc1, mlp.linear_fc2 = column, row
-    return spec
+    if fp8_recipe is not None:
+        return fp8_local_layer_spec(fp8_recipe, qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
 
 
 def build_model_from_hf(
     hf_config: Any,
     params_dtype: torch.dtype = torch.float32,
     use_te: bool | None = None,
-    linear_modules: tuple[type, type] | None = None,
+    fp8_recipe: Fp8Recipe | None = None,
     device: torch.device | str | None = None,
     **overrides: Any,
 ) -> GPTModel:
@@ -196,7 +193,7 @@ def build_model_from_hf(
         args.config,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_sequence_length,
-        layer_spec=layer_spec(args.family.qk_layernorm, use_te, linear_modules),
+        layer_spec=layer_spec(args.family.qk_layernorm, use_te, fp8_recipe),
         rotary_base=args.rope.theta,
         tie_embeddings=args.tie_embeddings,
         device=device,
