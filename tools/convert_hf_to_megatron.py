@@ -15,23 +15,16 @@ from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.family import UnsupportedModelError
 
 
-def build_meta_model(hf_config: dict, tensor_parallel: int, pipeline_parallel: int):
-    """The target GPTModel on the meta device (TP=1/PP=1), after checking the requested layout."""
-    from megatron_fp8rl.models.hf import build_model_from_hf, check_parallel_layout
-
-    check_parallel_layout(hf_config, tensor_parallel, pipeline_parallel)
-    return build_model_from_hf(hf_config, device="meta")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_hf_to_megatron_arguments(parser)
     args = parser.parse_args(argv)
     from megatron_fp8rl.launch import init_distributed, shutdown_distributed
+    from megatron_fp8rl.models.hf import build_conversion_target
 
     init_distributed(1, 1)
     try:
-        run_hf_to_megatron(args, build_meta_model)
+        run_hf_to_megatron(args, build_conversion_target)
     except (CheckpointError, UnsupportedModelError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ The HF -> Megatron direction needs the target GPTModel's layout; building models
 layer's business (convert/ and models/ are both L2), so the entry point passes
 `build_meta_model(hf_config, tensor_parallel, pipeline_parallel)`: it starts nothing itself and
 returns the GPTModel built on the meta device at TP=1/PP=1, after checking that the checkpoint
-will load at the given TP/PP (tools/convert_hf_to_megatron.py shows the wiring).
+will load at the given TP/PP: megatron_fp8rl.models.hf.build_conversion_target
+(tools/convert_hf_to_megatron.py shows the wiring).
 Must not import: models, rollout, data, trainer, cli.
 """
 from __future__ import annotations

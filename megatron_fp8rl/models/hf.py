@@ -201,3 +201,13 @@ def build_model_from_hf(
     apply_rope_scaling(model, args.rope)
     return model
 
+
+
+def build_conversion_target(hf_config: Any, tensor_parallel: int = 1,
+                            pipeline_parallel: int = 1) -> GPTModel:
+    """The GPTModel a checkpoint conversion writes for: on the meta device at this process's
+    TP/PP (one process: TP=1/PP=1), after checking that the checkpoint will load at
+    `tensor_parallel` x `pipeline_parallel`. Matches convert.cli_commands.MetaModelBuilder."""
+    hf = hf_config_dict(hf_config)
+    check_parallel_layout(hf, tensor_parallel, pipeline_parallel)
+    return build_model_from_hf(hf, device="meta")
