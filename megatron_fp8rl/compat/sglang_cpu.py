@@ -1,7 +1,9 @@
 """Run the real SGLang 0.5.23 on a machine without CUDA (the CPU tier).
 
 Owns: the stand-in modules for SGLang's CUDA-only imports, the environment SGLang's processes need on
-CPU, and the one shim that keeps an SGLang child failure from killing the host process.
+CPU, and the Engine shims that keep a host process safe (`start_engine`, `close_sockets`,
+`contain_child_failures`): SGLang 0.5.23 kills its host when a child fails and leaks ZeroMQ
+sockets that later hang the host's garbage collector. These are SGLang-version shims, not CPU-only.
 Must not import: anything of ours above layer L1 (models, convert, rollout, data, trainer, cli).
 
 What SGLang needs on CPU (measured with SGLang 0.5.23, torch 2.13.0+cpu):
@@ -177,6 +179,44 @@ def _check_version() -> None:
             f"SGLang CPU stand-ins were checked against sglang {TESTED_VERSIONS}, found {found}; "
             "re-measure the imports listed in megatron_fp8rl/compat/sglang_cpu.py before widening"
         )
+
+
+def start_engine(kwargs: dict):
+    """`sglang.Engine(**kwargs)` that, when start-up fails, closes the ZeroMQ sockets its
+    half-built tokenizer manager opened. SGLang 0.5.23 drops that manager with its sockets open;
+    when the garbage collector later finalizes their context, `zmq.Context.term()` blocks forever
+    (seen: a later Engine's start-up hung in `Context.__del__`)."""
+    from sglang.srt.entrypoints.engine import Engine, init_tokenizer_manager
+
+    created = []
+
+    def recording_init(server_args, port_args):
+        manager, template_manager = init_tokenizer_manager(server_args, port_args)
+        created.append(manager)
+        return manager, template_manager
+
+    class _Engine(Engine):
+        init_tokenizer_manager_func = staticmethod(recording_init)
+
+    try:
+        return _Engine(**kwargs)
+    except BaseException:
+        for manager in created:
+            close_sockets(manager)
+        raise
+
+
+def close_sockets(*owners) -> None:
+    """Destroy, with linger 0, the ZeroMQ contexts behind the sockets SGLang's Engine and tokenizer
+    manager hold (`send_to_rpc`, `recv_from_detokenizer`, `send_to_scheduler`), so finalizing them
+    never blocks on messages to a dead peer."""
+    import zmq
+
+    for owner in owners:
+        for attr in ("send_to_rpc", "recv_from_detokenizer", "send_to_scheduler"):
+            sock = getattr(owner, attr, None)
+            if isinstance(sock, zmq.Socket) and not sock.closed:
+                sock.context.destroy(linger=0)
 
 
 def contain_child_failures(engine, on_failure: Callable[[], None]) -> None:

@@ -56,11 +56,9 @@ class SGLangEngine:
         if self.config.resolved_device() == "cpu":
             sglang_cpu.install()
         os.environ.update(ENGINE_ENV)
-        import sglang  # after install(): sglang decides its CPU mode at import time
-
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
-            self._engine = sglang.Engine(**engine_kwargs(self.config), custom_sigquit_handler=self._on_signal)
+            self._engine = sglang_cpu.start_engine({**engine_kwargs(self.config), "custom_sigquit_handler": self._on_signal})
         except BaseException as err:
             self._child_pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
             self._kill_children()
@@ -159,6 +157,7 @@ class SGLangEngine:
         if watchdog is not None:
             watchdog.stop()
         self._kill_children()
+        sglang_cpu.close_sockets(self._engine, self._engine.tokenizer_manager)
         # The stock Engine registered its own shutdown, which kills every child of this process.
         atexit.unregister(self._engine.shutdown)
         self._engine = None
