@@ -2,7 +2,11 @@
 
 Owns: argv parsing, process start-up (through launch.py) and wiring components together. The only
 layer (L4, with launch.py) that reads the environment or creates process groups.
-Subcommands: `demo` (the CPU demo; run it under torchrun for TP/PP/DP).
+Subcommands:
+  train        RL post-training from an HF checkpoint (YAML config + dotted overrides; torchrun)
+  demo         the tiny Megatron GPT on a built-in task (the smallest end-to-end check)
+  convert      HF safetensors <-> Megatron torch_dist
+  export-fp8   an FP8 HF checkpoint SGLang serves
 """
 from __future__ import annotations
 
@@ -35,6 +39,44 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from megatron_fp8rl.config.loader import load_config
+    from megatron_fp8rl.launch import init_distributed, shutdown_distributed
+    from megatron_fp8rl.trainer.config import RunConfig
+    from megatron_fp8rl.trainer.loop import train
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    layout = init_distributed(cfg.model.tensor_parallel, cfg.model.pipeline_parallel, seed=cfg.train.seed)
+    try:
+        summary = train(cfg, layout.rank)
+    finally:
+        shutdown_distributed()
+    if layout.rank == 0:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from megatron_fp8rl.convert.cli_commands import run_convert
+
+    if args.direction != "hf-to-megatron":
+        return run_convert(args)
+    from megatron_fp8rl.launch import init_distributed, shutdown_distributed
+    from megatron_fp8rl.models.hf import build_conversion_target
+
+    init_distributed(1, 1)
+    try:
+        return run_convert(args, build_conversion_target)
+    finally:
+        shutdown_distributed()
+
+
+def _export_fp8(args: argparse.Namespace) -> int:
+    from megatron_fp8rl.convert.cli_commands import run_export_fp8
+
+    return run_export_fp8(args) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-fp8rl", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=200, help="optimizer steps")
     demo.add_argument("--run-dir", default="runs/demo", help="tensorboard log directory")
     demo.set_defaults(func=_demo)
+    train = commands.add_parser("train", help="RL post-training (run under torchrun for TP/PP/DP)")
+    train.add_argument("--config", default=None, help="YAML run config (see examples/)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 model.fp8=calibrated")
+    train.set_defaults(func=_train)
+    from megatron_fp8rl.convert.cli_commands import add_convert_arguments, add_export_fp8_arguments
+
+    add_convert_arguments(commands)
+    commands.choices["convert"].set_defaults(func=_convert)
+    export = commands.add_parser("export-fp8", help="write an FP8 HF checkpoint for SGLang")
+    add_export_fp8_arguments(export)
+    export.set_defaults(func=_export_fp8)
     return parser
 
 

@@ -41,6 +41,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+from megatron_fp8rl.compat.process_env import without_torchrun_env
+
 import torch
 
 TESTED_VERSIONS = ("0.5.23",)
@@ -199,7 +201,8 @@ def start_engine(kwargs: dict):
         init_tokenizer_manager_func = staticmethod(recording_init)
 
     try:
-        return _Engine(**kwargs)
+        with without_torchrun_env():  # the scheduler must not join a torchrun rendezvous
+            return _Engine(**kwargs)
     except BaseException:
         for manager in created:
             close_sockets(manager)

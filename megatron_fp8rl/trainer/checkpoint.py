@@ -35,7 +35,7 @@ TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
 
 
-@dataclass(frozen=True)
+@dataclass
 class CheckpointConfig:
     """Where and how often checkpoints are written."""
 

@@ -122,6 +122,36 @@ def train_step(
     )
 
 
+def forward_only(
+    model: DistributedDataParallel,
+    micro_batches: list[MicroBatch],
+    forward_fn: ForwardFn,
+    collect_fn: LossFn,
+    seq_length: int,
+) -> list[dict[str, torch.Tensor]]:
+    """Forward over `micro_batches` without gradients through Megatron's schedule.
+
+    Returns what `collect_fn` put in its metrics dict, one dict per micro-batch, on the last
+    pipeline stage; an empty list on other stages. All micro-batches must share one shape.
+    """
+
+    def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module):
+        batch = next(data_iterator)
+        output = forward_fn(chunk, batch)
+        return output, lambda out: _detached_metrics(*collect_fn(batch, out))
+
+    with torch.no_grad():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=next(iter(micro_batches[0].values())).shape[0],
+            forward_only=True,
+        )
+
+
 def _detached_metrics(
     loss: torch.Tensor, metrics: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

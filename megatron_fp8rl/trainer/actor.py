@@ -1,0 +1,117 @@
+"""The Megatron actor: the policy being trained, at the run's TP/PP/DP layout.
+
+Owns: building the GPTModel from an HF checkpoint (converted once to torch_dist), per-token
+logprobs/entropy of response tokens (vocab-parallel), an optimizer step on a policy loss, and
+streaming its weights out under Hugging Face names (for rollout weight sync and the final export).
+Must not import: cli.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+
+from megatron_fp8rl.compat.process_env import torchrun_free_env
+from megatron_fp8rl.convert.megatron_to_hf import (
+    plan_megatron_to_hf, read_tensor_metadata, read_unit, split_unit,
+)
+from megatron_fp8rl.fp8.recipe import recipe_by_name
+from megatron_fp8rl.models.hf import build_model_from_hf, check_parallel_layout
+from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
+from megatron_fp8rl.trainer.megatron_step import (
+    OptimConfig, StepResult, build_optimizer, forward_only, train_step, wrap_ddp,
+)
+
+
+def convert_initial_checkpoint(hf_path: Path, output: Path) -> Path:
+    """HF folder -> torch_dist at `output`, once (rank 0, in a one-process subprocess: the
+    converter needs Megatron at TP=1/PP=1). Reused when `output` already exists."""
+    if output.exists():
+        return output
+    env = torchrun_free_env()
+    cmd = [sys.executable, "-m", "megatron_fp8rl.cli", "convert", "hf-to-megatron",
+           str(hf_path), str(output), "--no-progress"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"converting {hf_path} to Megatron failed:\n{result.stderr[-4000:]}")
+    return output
+
+
+def _load_weights_only(model: torch.nn.Module, directory: Path) -> None:
+    """Load the weights of a converted HF checkpoint; FP8 scaling state (`_extra_state`), which
+    such a checkpoint does not have, starts fresh. Any other missing tensor is an error."""
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = model.load_state_dict(dist_checkpointing.load(sharded, str(directory)),
+                                                strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"{directory}: missing tensors {missing}, unexpected {unexpected}")
+
+
+class MegatronActor:
+    """The trained policy: a GPTModel chunk in Megatron DDP with its distributed optimizer."""
+
+    def __init__(self, hf_path: Path, init_dir: Path, fp8: str, optim: OptimConfig):
+        self.hf_config = json.loads((Path(hf_path) / "config.json").read_text())
+        check_parallel_layout(self.hf_config, parallel_state.get_tensor_model_parallel_world_size(),
+                              parallel_state.get_pipeline_model_parallel_world_size())
+        recipe = recipe_by_name(fp8) if fp8 != "none" else None
+        model = build_model_from_hf(self.hf_config, fp8_recipe=recipe)
+        _load_weights_only(model, init_dir)
+        self.model = wrap_ddp(model, distributed_optimizer=True)
+        self.optimizer = build_optimizer(self.model, optim)
+
+    @staticmethod
+    def _forward(chunk: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return chunk(batch["tokens"], batch["position_ids"], None)
+
+    @staticmethod
+    def token_logprobs(batch: dict[str, torch.Tensor], logits: torch.Tensor):
+        """(logprobs, entropy) [B, S] of each position's target token, over the TP-split vocab."""
+        group = parallel_state.get_tensor_model_parallel_group()
+        return vocab_parallel_logprobs_and_entropy(logits, batch["target_ids"], group)
+
+    def logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per micro-batch [B, S] logprobs on the last pipeline stage ([] on others)."""
+
+        def collect(batch, logits):
+            logprobs, _ = self.token_logprobs(batch, logits)
+            return torch.zeros((), device=logits.device), {"logprobs": logprobs}
+
+        seq = micro_batches[0]["tokens"].shape[1]
+        return [out["logprobs"] for out in forward_only(self.model, micro_batches, self._forward, collect, seq)]
+
+    def train(self, micro_batches: list[dict[str, torch.Tensor]],
+              loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]) -> StepResult:
+        """One optimizer step; `loss_fn(batch, logprobs, entropy)` returns (loss, metrics)."""
+
+        def loss(batch, logits):
+            logprobs, entropy = self.token_logprobs(batch, logits)
+            return loss_fn(batch, logprobs, entropy)
+
+        seq = micro_batches[0]["tokens"].shape[1]
+        return train_step(self.model, self.optimizer, micro_batches, self._forward, loss, seq)
+
+    def save_weights(self, directory: Path) -> Path:
+        """All ranks: write the current weights as a torch_dist checkpoint (collective)."""
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(self.model.module.sharded_state_dict(), str(directory))
+        dist.barrier()
+        return directory
+
+    def hf_tensors(self, directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream the weights saved in `directory` as (HF name, full tensor), one layer slice at a
+        time (any TP/PP; read by one process)."""
+        units = plan_megatron_to_hf(self.hf_config, read_tensor_metadata(directory))
+        for unit in units:
+            yield from split_unit(unit, read_unit(directory, unit)).items()

@@ -1,0 +1,88 @@
+"""Rollout samples -> the padded tensors the Megatron actor trains on.
+
+Owns: `RolloutBatch` (all tensors [B, S] in *prediction* coordinates: position t holds what the
+logits at t say about token t+1) and splitting it into equal-shape micro-batches.
+Must not import: cli.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from megatron_fp8rl.rollout.engine import RolloutSample
+
+
+@dataclass
+class RolloutBatch:
+    """B sequences of prompt + response, right-padded to S tokens."""
+
+    tokens: torch.Tensor
+    """[B, S] int64 input ids (pad 0)."""
+    position_ids: torch.Tensor
+    """[B, S] int64."""
+    target_ids: torch.Tensor
+    """[B, S] int64: tokens shifted left by one (the token each position predicts)."""
+    response_mask: torch.Tensor
+    """[B, S] float: 1 where the predicted token is a response token."""
+    rollout_logprobs: torch.Tensor
+    """[B, S] float: the rollout engine's logprob of each response token (0 elsewhere)."""
+    advantages: torch.Tensor
+    """[B, S] float: the sequence's advantage on its response positions."""
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, rows: torch.Tensor | slice) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def build_batch(samples: list[RolloutSample], advantages: torch.Tensor, length: int) -> RolloutBatch:
+    """Pad `samples` to `length` tokens; `advantages` is [B] (one value per sample)."""
+    size = len(samples)
+    tokens = torch.zeros(size, length, dtype=torch.long)
+    response_mask = torch.zeros(size, length)
+    rollout_logprobs = torch.zeros(size, length)
+    for row, sample in enumerate(samples):
+        sequence = sample.prompt_token_ids + sample.token_ids
+        if len(sequence) > length:
+            raise ValueError(f"sample {row} has {len(sequence)} tokens, more than the batch length {length}")
+        tokens[row, :len(sequence)] = torch.tensor(sequence)
+        start, end = len(sample.prompt_token_ids) - 1, len(sequence) - 1
+        response_mask[row, start:end] = 1.0
+        rollout_logprobs[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    target_ids = torch.zeros_like(tokens)
+    target_ids[:, :-1] = tokens[:, 1:]
+    return RolloutBatch(
+        tokens=tokens,
+        position_ids=torch.arange(length).expand(size, length).contiguous(),
+        target_ids=target_ids,
+        response_mask=response_mask,
+        rollout_logprobs=rollout_logprobs,
+        advantages=advantages.float()[:, None] * response_mask,
+    )
+
+
+def pad_rows(batch: RolloutBatch, multiple: int) -> RolloutBatch:
+    """Append all-masked rows so the size is a multiple of `multiple` (they contribute nothing)."""
+    missing = -batch.size % multiple
+    if not missing:
+        return batch
+    padded = {}
+    for name, tensor in batch.as_dict().items():
+        filler = tensor[:1].expand(missing, *tensor.shape[1:]).clone()
+        if name in ("response_mask", "rollout_logprobs", "advantages"):
+            filler.zero_()
+        padded[name] = torch.cat([tensor, filler])
+    return RolloutBatch(**padded)
+
+
+def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Equal-shape micro-batches (Megatron's pipeline schedule needs one shape)."""
+    batch = pad_rows(batch, micro_batch_size)
+    return [batch.select(slice(i, i + micro_batch_size)).as_dict()
+            for i in range(0, batch.size, micro_batch_size)]

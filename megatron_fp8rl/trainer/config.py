@@ -1,0 +1,179 @@
+"""The run configuration of `megatron-fp8rl train`: one dataclass tree, loaded once at the entry
+point (config.loader: YAML + dotted overrides) and handed down section by section.
+
+Owns: `RunConfig` and its sections, and their value checks (errors name the dotted key).
+Must not import: cli.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
+
+ALGORITHMS = ("grpo", "dapo", "gspo")
+ADVANTAGES = ("grpo", "grpo_no_std", "rloo")
+CORRECTIONS = ("none", "tis", "mis")
+TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise")
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{key}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    """The actor."""
+
+    hf_path: str = ""
+    """Hugging Face checkpoint folder to start from (config.json, safetensors, tokenizer)."""
+    tensor_parallel: int = 1
+    """Megatron tensor-parallel size."""
+    pipeline_parallel: int = 1
+    """Megatron pipeline-parallel size."""
+    fp8: str = "none"
+    """Trainer FP8 recipe for every transformer linear: one of TRAINER_FP8."""
+
+    def __post_init__(self):
+        _check(self.fp8 in TRAINER_FP8, "model.fp8", f"{self.fp8!r} is not one of {TRAINER_FP8}")
+        _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
+               "tensor_parallel and pipeline_parallel must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling and the SGLang engine."""
+
+    n_samples: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (logprobs are always at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_new_tokens: int = 32
+    """Response length cap."""
+    dtype: str = "float32"
+    """Dtype SGLang serves in (float32 on the CPU tier, bfloat16 on GPU)."""
+    max_total_tokens: int = 8192
+    """SGLang KV-cache size in tokens (required on CPU)."""
+
+    def __post_init__(self):
+        _check(self.n_samples >= 2, "rollout.n_samples", f"must be >= 2 for group advantages, got {self.n_samples}")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages, policy loss and train/rollout mismatch correction."""
+
+    name: str = "dapo"
+    """grpo, dapo (clip-higher, dynamic sampling, token-mean, overlong shaping) or gspo."""
+    advantage: str = "grpo"
+    """grpo (group mean/std), grpo_no_std (Dr. GRPO), rloo (leave-one-out)."""
+    clip_low: float = 0.2
+    """PPO epsilon below 1."""
+    clip_high: float = 0.28
+    """PPO epsilon above 1 (DAPO clip-higher; set 0.2 for plain GRPO)."""
+    agg_mode: str = "token-mean"
+    """Loss aggregation (rl.losses.AGGREGATION_MODES)."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal; draw more prompts until the batch is full."""
+    max_sampling_rounds: int = 3
+    """Rollout rounds per step when dynamic sampling keeps too few groups."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment over the last N tokens before max_new_tokens (0: off)."""
+    overlong_penalty: float = 1.0
+    """Reward penalty at max_new_tokens."""
+    correction: str = "tis"
+    """Rollout/trainer mismatch correction: none, tis (truncated IS), mis (masked IS, icepop)."""
+    tis_cap: float = 2.0
+    """TIS cap C."""
+    mis_low: float = 0.5
+    """MIS lower ratio bound."""
+    mis_high: float = 2.0
+    """MIS upper ratio bound."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+
+    def __post_init__(self):
+        _check(self.name in ALGORITHMS, "algorithm.name", f"{self.name!r} is not one of {ALGORITHMS}")
+        _check(self.advantage in ADVANTAGES, "algorithm.advantage", f"{self.advantage!r} is not one of {ADVANTAGES}")
+        _check(self.correction in CORRECTIONS, "algorithm.correction", f"{self.correction!r} is not one of {CORRECTIONS}")
+        _check(self.clip_low > 0 and self.clip_high > 0, "algorithm", "clip_low and clip_high must be > 0")
+        _check(self.tis_cap > 0, "algorithm.tis_cap", "must be > 0")
+        _check(0 <= self.mis_low < self.mis_high, "algorithm.mis_low", "need 0 <= mis_low < mis_high")
+
+
+@dataclass
+class DataConfig:
+    """Prompts and rewards."""
+
+    train: str = "builtin:arithmetic"
+    """Prompt file (.jsonl/.parquet; see data.records) or builtin:arithmetic."""
+    eval: str = "builtin:arithmetic"
+    """Held-out prompts for greedy evaluation (builtin:arithmetic uses the eval split)."""
+    arithmetic_ops: list[str] = field(default_factory=lambda: ["add", "mul"])
+    """Operations of the built-in task."""
+    train_size: int = 2000
+    """Problems drawn from the built-in train split."""
+    eval_size: int = 200
+    """Held-out problems evaluated."""
+    reward: str = "last_number"
+    """Reward: a built-in (math_verify, last_number) or 'package.module:function'."""
+    reward_timeout_s: float = 10.0
+    """A reward call that takes longer scores 0 and is counted."""
+    prompts_per_step: int = 8
+    """Prompt groups per optimizer step."""
+
+    def __post_init__(self):
+        _check(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """The optimization schedule."""
+
+    steps: int = 10
+    """RL steps (each: rollout, one or more optimizer steps, weight sync)."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward."""
+    lr: float = 1e-5
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip."""
+    seed: int = 1234
+    """Seed for model init, data order and sampling."""
+    eval_every: int = 5
+    """Greedy eval every N steps (and before the first and after the last); 0: never."""
+
+    def __post_init__(self):
+        _check(self.steps >= 1, "train.steps", "must be >= 1")
+        _check(self.mini_batches >= 1 and self.micro_batch_size >= 1, "train",
+               "mini_batches and micro_batch_size must be >= 1")
+
+
+@dataclass
+class RunConfig:
+    """Everything one `megatron-fp8rl train` run needs."""
+
+    run_dir: str = "runs/rl"
+    """Output folder: config.yaml, tensorboard logs, checkpoints, the final HF model."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The actor."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling and SGLang."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL algorithm."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and rewards."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimization."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints (checkpoint.dir defaults to <run_dir>/checkpoints)."""
+
+    def __post_init__(self):
+        _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")

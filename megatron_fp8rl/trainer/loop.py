@@ -1,0 +1,169 @@
+"""`megatron-fp8rl train`: the run from an HF checkpoint to an RL-trained HF checkpoint.
+
+Owns: wiring (config -> data, actor, rollout engine), the step loop with greedy evaluation,
+tensorboard logging, checkpoints/resume, and the final HF export. The step itself is
+rl_step.rl_step. Must not import: cli.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from megatron_fp8rl.config.loader import save_config
+from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
+from megatron_fp8rl.data.arithmetic import arithmetic_records
+from megatron_fp8rl.data.records import DatasetError, PromptRecord, load_prompt_file, prompt_token_ids
+from megatron_fp8rl.data.rewards import load_reward_fn, score
+from megatron_fp8rl.data.sampler import PromptSampler
+from megatron_fp8rl.rollout.engine import SamplingParams
+from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
+from megatron_fp8rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_fp8rl.trainer.config import RunConfig
+from megatron_fp8rl.trainer.megatron_step import OptimConfig
+from megatron_fp8rl.trainer.rl_step import StepContext, rl_step, sync_weights
+
+
+def load_records(spec: str, split: str, size: int, cfg: RunConfig) -> list[PromptRecord]:
+    """Prompt records of a file, or of the built-in arithmetic task's `split`."""
+    if spec == "builtin:arithmetic":
+        return arithmetic_records(split, size, ops=tuple(cfg.data.arithmetic_ops), seed=cfg.train.seed)
+    if spec.startswith("builtin:"):
+        raise DatasetError(f"unknown built-in dataset {spec!r}; available: builtin:arithmetic")
+    return load_prompt_file(spec)
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Fail before any expensive work: missing checkpoint or dataset files, bad reward."""
+    hf = Path(cfg.model.hf_path)
+    if not (hf / "config.json").is_file():
+        raise FileNotFoundError(f"model.hf_path={hf}: no config.json (not an HF checkpoint folder)")
+    for key, spec in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if not spec.startswith("builtin:") and not Path(spec).is_file():
+            raise FileNotFoundError(f"{key}={spec}: file does not exist")
+    load_reward_fn(cfg.data.reward)
+
+
+def _start_engine(cfg: RunConfig):
+    from megatron_fp8rl.rollout.sglang_common import SGLangConfig
+    from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
+
+    return SGLangEngine(SGLangConfig(model_path=cfg.model.hf_path, dtype=cfg.rollout.dtype,
+                                     max_total_tokens=cfg.rollout.max_total_tokens,
+                                     random_seed=cfg.train.seed))
+
+
+def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> float:
+    """Greedy accuracy on the held-out prompts (rank 0 generates; the result is broadcast)."""
+    accuracy = [0.0]
+    if ctx.engine is not None:
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=ctx.cfg.rollout.max_new_tokens)
+        samples = ctx.engine.generate(prompts, sampling, n=1)
+        rewards, _ = score(ctx.reward_fn, [ctx.decode(s.token_ids) for s in samples], answers,
+                           timeout_s=ctx.cfg.data.reward_timeout_s)
+        accuracy = [sum(r > 0 for r in rewards) / len(rewards)]
+    dist.broadcast_object_list(accuracy, src=0)
+    return float(accuracy[0])
+
+
+def train(cfg: RunConfig, rank: int) -> dict[str, float]:
+    """Run the configured RL job on this process (all ranks call it); returns the summary."""
+    from transformers import AutoTokenizer
+
+    check_inputs(cfg)
+    run_dir = Path(cfg.run_dir)
+    cfg.checkpoint.dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    train_records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
+    eval_records = load_records(cfg.data.eval, "eval", cfg.data.eval_size, cfg)[:cfg.data.eval_size]
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
+    dist.barrier()
+    actor = MegatronActor(Path(cfg.model.hf_path), run_dir / "init_megatron", cfg.model.fp8,
+                          OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                      clip_grad=cfg.train.clip_grad))
+    ctx = StepContext(cfg=cfg, actor=actor, engine=_start_engine(cfg) if rank == 0 else None,
+                      reward_fn=load_reward_fn(cfg.data.reward),
+                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                      sync_dir=run_dir / "sync")
+    try:
+        return _loop(ctx, tokenizer, train_records, eval_records, rank)
+    finally:
+        if ctx.engine is not None:
+            ctx.engine.shutdown()
+
+
+def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -> dict[str, float]:
+    cfg = ctx.cfg
+    sampler = PromptSampler(train_records, cfg.data.prompts_per_step, seed=cfg.train.seed)
+    start = _resume(ctx, sampler)
+
+    def next_prompts():
+        batch = sampler.next_batch()
+        return [prompt_token_ids(r, tokenizer) for r in batch], [r.answer for r in batch]
+
+    eval_prompts = [prompt_token_ids(r, tokenizer) for r in eval_records]
+    eval_answers = [r.answer for r in eval_records]
+    writer = SummaryWriter(str(Path(cfg.run_dir) / "tb")) if rank == 0 else None
+    summary = {"eval/accuracy_start": evaluate(ctx, eval_prompts, eval_answers)} if cfg.train.eval_every else {}
+    _log(writer, {"eval/accuracy": summary.get("eval/accuracy_start", 0.0)}, start)
+    begin = time.perf_counter()
+    bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,
+               total=cfg.train.steps)
+    for step in bar:
+        prompts, answers = next_prompts()
+        metrics = rl_step(ctx, prompts, answers, next_prompts, step)
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+            metrics["eval/accuracy"] = evaluate(ctx, eval_prompts, eval_answers)
+        _log(writer, metrics, step)
+        bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
+                         ("reward/mean", "eval/accuracy", "time/rollout_s", "time/train_s") if k in metrics})
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+            save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
+                            {"sampler": sampler.state_dict()})
+        summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
+    summary["seconds"] = time.perf_counter() - begin
+    summary["hf_output"] = _export_hf(ctx, rank)
+    if writer is not None:
+        writer.close()
+        (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _resume(ctx: StepContext, sampler: PromptSampler) -> int:
+    """Continue from the newest complete checkpoint, if any: weights, optimizer, RNG, data
+    position; the rollout engine gets the restored weights. Returns the step to continue after."""
+    path = latest_checkpoint(ctx.cfg.checkpoint.dir)
+    if path is None:
+        return 0
+    state = load_checkpoint(path, ctx.actor.model, ctx.actor.optimizer)
+    sampler.load_state_dict(state["sampler"])
+    sync_weights(ctx, version=state["step"])
+    return int(state["step"])
+
+
+def _log(writer, metrics: dict[str, float], step: int) -> None:
+    if writer is None:
+        return
+    for name, value in metrics.items():
+        if isinstance(value, (int, float)) and value == value:
+            writer.add_scalar(name, value, step)
+    writer.flush()
+
+
+def _export_hf(ctx: StepContext, rank: int) -> str:
+    """The trained weights as an HF checkpoint at <run_dir>/hf (config and tokenizer from the
+    starting checkpoint)."""
+    final = ctx.actor.save_weights(Path(ctx.cfg.run_dir) / "final_megatron")
+    output = Path(ctx.cfg.run_dir) / "hf"
+    if rank == 0:
+        convert_megatron_to_hf(final, output, hf_config_dir=Path(ctx.cfg.model.hf_path),
+                               overwrite=True, progress=False)
+    dist.barrier()
+    return str(output)

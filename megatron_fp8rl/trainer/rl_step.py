@@ -1,0 +1,218 @@
+"""One RL step: rollout -> reward -> advantages -> old-logprob recompute -> policy update -> sync.
+
+Owns: `rl_step` (the data flow of DESIGN.md on one screen) and the helpers it calls in order.
+Rollouts and rewards run on global rank 0 (the colocated SGLang engine) and are broadcast; every
+rank then trains on its data-parallel slice. Must not import: cli.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_fp8rl.data.rewards import RewardFn, score
+from megatron_fp8rl.rl.advantages import grpo_advantages, rloo_advantages
+from megatron_fp8rl.rl.correction import masked_importance_weights, truncated_importance_weights
+from megatron_fp8rl.rl.losses import policy_loss
+from megatron_fp8rl.rl.metrics import mismatch_metrics
+from megatron_fp8rl.rl.sampling import select_informative_groups, shape_overlong_rewards
+from megatron_fp8rl.rollout.engine import RolloutEngine, RolloutSample, SamplingParams
+from megatron_fp8rl.trainer.actor import MegatronActor
+from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch, micro_batches, pad_rows
+from megatron_fp8rl.trainer.config import RunConfig
+
+
+@dataclass
+class StepContext:
+    """What every step uses; built once by the loop."""
+
+    cfg: RunConfig
+    actor: MegatronActor
+    engine: RolloutEngine | None
+    """The rollout engine on global rank 0; None elsewhere."""
+    reward_fn: RewardFn
+    decode: Callable[[list[int]], str]
+    """Token ids -> text for the reward (the tokenizer's decode)."""
+    sync_dir: Path
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@contextmanager
+def _timed(ctx: StepContext, name: str):
+    start = time.perf_counter()
+    yield
+    ctx.timings[f"time/{name}_s"] = time.perf_counter() - start
+
+
+def rl_step(ctx: StepContext, prompts: list[list[int]], answers: list[str], more_prompts, step: int) -> dict[str, float]:
+    """Run one RL step on `prompts` (token ids) and return its metrics (same on every rank)."""
+    ctx.timings.clear()
+    with _timed(ctx, "rollout"):
+        samples, rewards, stats = _rollout_until_full(ctx, prompts, answers, more_prompts)
+    if not samples:
+        return {**stats, **ctx.timings}
+    with _timed(ctx, "advantages"):
+        batch = _make_batch(ctx.cfg, samples, rewards)
+    with _timed(ctx, "recompute"):
+        old_logprobs = _old_logprobs(ctx, batch)
+    with _timed(ctx, "train"):
+        train_metrics = _train(ctx, batch, old_logprobs)
+    with _timed(ctx, "sync"):
+        sync_weights(ctx, version=step)
+    tokens = float(batch.response_mask.sum())
+    return {**stats, **train_metrics, **ctx.timings,
+            "perf/response_tokens_per_s": tokens / max(ctx.timings["time/rollout_s"], 1e-9)}
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _rollout_until_full(ctx: StepContext, prompts, answers, more_prompts):
+    """Sample n per prompt and score; with dynamic sampling, drop all-equal groups and draw more
+    prompts (up to max_sampling_rounds) until `prompts_per_step` groups are kept."""
+    cfg = ctx.cfg
+    kept_samples, kept_rewards, seen, dropped, reward_stats = [], [], [], 0, {}
+    for _ in range(cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1):
+        samples, rewards, stats = _broadcast(_generate_and_score(ctx, prompts, answers)
+                                             if dist.get_rank() == 0 else None)
+        seen.append(rewards)
+        for key, value in stats.items():
+            reward_stats[key] = reward_stats.get(key, 0) + value
+        groups = rewards.view(len(prompts), cfg.rollout.n_samples)
+        keep = (select_informative_groups(groups).keep if cfg.algorithm.dynamic_sampling
+                else torch.ones(len(prompts), dtype=torch.bool))
+        dropped += int((~keep).sum())
+        for g in keep.nonzero().flatten().tolist():
+            n = cfg.rollout.n_samples
+            kept_samples.append(samples[g * n:(g + 1) * n])
+            kept_rewards.append(groups[g])
+        if len(kept_samples) >= cfg.data.prompts_per_step:
+            break
+        prompts, answers = more_prompts()
+    kept_samples, kept_rewards = kept_samples[:cfg.data.prompts_per_step], kept_rewards[:cfg.data.prompts_per_step]
+    raw = torch.cat(seen)
+    metrics = {"reward/mean": float(raw.mean()), "reward/accuracy": float((raw > 0).float().mean()),
+               "sampling/groups_dropped": float(dropped), "sampling/groups_kept": float(len(kept_samples)),
+               **{f"reward/{k}": float(v) for k, v in reward_stats.items()}}
+    flat = [s for group in kept_samples for s in group]
+    lengths = torch.tensor([len(s.token_ids) for s in flat], dtype=torch.float32)
+    if flat:
+        metrics.update({"response/length_mean": float(lengths.mean()),
+                        "response/truncated_frac": float(sum(s.finish_reason == "length" for s in flat) / len(flat))})
+    return flat, (torch.stack(kept_rewards) if kept_rewards else None), metrics
+
+
+def _generate_and_score(ctx: StepContext, prompts, answers):
+    cfg = ctx.cfg.rollout
+    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
+    samples: list[RolloutSample] = ctx.engine.generate(prompts, sampling, n=cfg.n_samples)
+    texts = [ctx.decode(s.token_ids) for s in samples]
+    refs = [answers[s.prompt_index] for s in samples]
+    rewards, stats = score(ctx.reward_fn, texts, refs, timeout_s=ctx.cfg.data.reward_timeout_s)
+    counts = {"errors": stats.errors, "timeouts": stats.timeouts, "invalid": stats.invalid}
+    return samples, torch.tensor(rewards, dtype=torch.float32), counts
+
+
+def _make_batch(cfg: RunConfig, samples: list[RolloutSample], rewards: torch.Tensor) -> RolloutBatch:
+    """Overlong shaping, group advantages, padded tensors. `rewards` is [G, n]."""
+    algo = cfg.algorithm
+    if algo.overlong_buffer:
+        lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32).view_as(rewards)
+        rewards = shape_overlong_rewards(rewards, lengths, max_length=cfg.rollout.max_new_tokens,
+                                         buffer_length=algo.overlong_buffer,
+                                         penalty_factor=algo.overlong_penalty)
+    if algo.advantage == "rloo":
+        advantages = rloo_advantages(rewards)
+    else:
+        advantages = grpo_advantages(rewards, scale_by_std=algo.advantage == "grpo")
+    length = max(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
+    return build_batch(samples, advantages.flatten(), length)
+
+
+def _layout_rows(ctx: StepContext, batch: RolloutBatch) -> RolloutBatch:
+    """Pad so every mini-batch splits evenly over DP ranks and micro-batches."""
+    multiple = (ctx.cfg.train.mini_batches * parallel_state.get_data_parallel_world_size()
+                * ctx.cfg.train.micro_batch_size)
+    return pad_rows(batch, multiple)
+
+
+def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
+    """log π_old of every position, [B_padded, S], recomputed by the trainer before the update
+    (real values on the last pipeline stage, zeros elsewhere, where the loss is not computed)."""
+    batch = _layout_rows(ctx, batch)
+    per_micro = ctx.actor.logprobs(micro_batches(batch, ctx.cfg.train.micro_batch_size))
+    return torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs)
+
+
+def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor) -> dict[str, float]:
+    """One optimizer step per mini-batch on this rank's DP slice; metrics averaged over steps."""
+    cfg = ctx.cfg
+    batch = _layout_rows(ctx, batch)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    rows = torch.arange(batch.size)
+    results = []
+    for mini_rows in rows.chunk(cfg.train.mini_batches):
+        mini = batch.select(mini_rows)
+        loss_fn = _loss_fn(cfg, _denominator(cfg, mini, dp_size))
+        mine = mini_rows.chunk(dp_size)[dp_rank]
+        local = batch.select(mine)
+        micro = micro_batches(local, cfg.train.micro_batch_size)
+        for mb, old in zip(micro, old_logprobs[mine].split(cfg.train.micro_batch_size)):
+            mb["old_logprobs"] = old
+        results.append(ctx.actor.train(micro, loss_fn))
+    metrics = {f"train/{k}": sum(r.metrics[k] for r in results) / len(results) for k in results[0].metrics}
+    metrics["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
+    return metrics
+
+
+def _denominator(cfg: RunConfig, mini: RolloutBatch, dp_size: int) -> float:
+    """Makes each micro-batch's loss a share of the mini-batch aggregate: Megatron divides by the
+    number of micro-batches and DDP averages over DP ranks, so scale both back in."""
+    micro_per_rank = mini.size // dp_size // cfg.train.micro_batch_size
+    if cfg.algorithm.agg_mode == "token-mean":
+        count = float(mini.response_mask.sum())
+    else:
+        count = float((mini.response_mask.sum(dim=1) > 0).sum())
+    return max(count, 1.0) / (micro_per_rank * dp_size)
+
+
+def _loss_fn(cfg: RunConfig, denominator: float):
+    algo = cfg.algorithm
+
+    def loss_fn(mb, logprobs, entropy):
+        mask, old, rollout = mb["response_mask"], mb["old_logprobs"], mb["rollout_logprobs"]
+        metrics = mismatch_metrics(old, rollout, mask)
+        weights = None
+        if algo.correction == "tis":
+            correction = truncated_importance_weights(old, rollout, mask, cap=algo.tis_cap)
+        elif algo.correction == "mis":
+            correction = masked_importance_weights(old, rollout, mask, low=algo.mis_low, high=algo.mis_high)
+        if algo.correction != "none":
+            weights = correction.weights
+            metrics.update(correction.metrics)
+        out = policy_loss(logprobs, old, mb["advantages"], mask,
+                          ratio_level="sequence" if algo.name == "gspo" else "token",
+                          clip_low=algo.clip_low, clip_high=algo.clip_high, agg_mode=algo.agg_mode,
+                          max_response_length=cfg.rollout.max_new_tokens, denominator=denominator,
+                          correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef)
+        return out.loss, {**out.metrics, **metrics}
+
+    return loss_fn
+
+
+def sync_weights(ctx: StepContext, version: int) -> None:
+    """Trainer weights -> rollout engine (through a torch_dist snapshot, any TP/PP)."""
+    directory = ctx.actor.save_weights(ctx.sync_dir)
+    if ctx.engine is not None:
+        ctx.engine.update_weights(ctx.actor.hf_tensors(directory), version=version)
+    dist.barrier()

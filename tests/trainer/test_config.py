@@ -1,0 +1,41 @@
+"""Run-config errors surface before any expensive work, naming the key or the file."""
+import pytest
+
+from megatron_fp8rl.cli import main
+from megatron_fp8rl.config.loader import ConfigError, load_config
+from megatron_fp8rl.trainer.config import RunConfig
+from megatron_fp8rl.trainer.loop import check_inputs
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match=r"'algorithm.clip_hihg'.*did you mean 'algorithm.clip_high'"):
+        main(["train", "model.hf_path=/x", "algorithm.clip_hihg=0.3"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.name=ppo", "algorithm.name: 'ppo' is not one of"),
+    ("rollout.n_samples=1", "rollout.n_samples: must be >= 2"),
+    ("model.fp8=fp4", "model.fp8: 'fp4' is not one of"),
+    ("checkpoint.keep_last=0", "keep_last must be >= 1"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, ["model.hf_path=/x", override])
+
+
+def test_hf_path_required():
+    with pytest.raises(ConfigError, match="model.hf_path: is required"):
+        load_config(RunConfig, None, [])
+
+
+def test_missing_files_fail_before_work(tmp_path):
+    cfg = load_config(RunConfig, None, [f"model.hf_path={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        check_inputs(cfg)
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_config(RunConfig, None, [f"model.hf_path={tmp_path}", f"data.train={tmp_path}/none.jsonl"])
+    with pytest.raises(FileNotFoundError, match="data.train=.*none.jsonl: file does not exist"):
+        check_inputs(cfg)
+    cfg = load_config(RunConfig, None, [f"model.hf_path={tmp_path}", "data.reward=nope:fn"])
+    with pytest.raises(ValueError, match="cannot import module 'nope'"):
+        check_inputs(cfg)
