@@ -1,6 +1,7 @@
 """DESIGN.md's import direction: a module imports only from layers below its own, and subpackages of
 one layer do not import each other. Lazy imports inside functions count too."""
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,23 @@ def violations(component: str, source: str) -> list[str]:
     return bad
 
 
+# L0 (fp8/, rl/) is torch-only: besides our own lower layers, it may import only these.
+L0_THIRD_PARTY = set(sys.stdlib_module_names) | {"torch", "numpy", "megatron_fp8rl"}
+
+
+def third_party_violations(source: str) -> list[str]:
+    """Imports of an L0 module outside the standard library, torch and numpy (lazy ones count)."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        bad += [f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0] not in L0_THIRD_PARTY]
+    return bad
+
+
 def _modules():
     return sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
@@ -75,9 +93,17 @@ def test_module_has_docstring(path: Path):
     assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
 
 
+@pytest.mark.parametrize("path", [p for p in _modules() if LAYERS.get(_component(p)) == 0],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_layer0_imports_only_torch_and_stdlib(path: Path):
+    assert third_party_violations(path.read_text()) == []
+
+
 def test_checker_flags_upward_and_sideways_imports():
     assert violations("fp8", "from megatron_fp8rl.compat import megatron_cpu") != []
     assert violations("models", "def f():\n    import megatron_fp8rl.convert.hf") != []
     assert violations("rl", "from megatron_fp8rl import trainer") != []
     assert violations("trainer", "from megatron_fp8rl.models.gpt import build_gpt_model") == []
     assert violations("cli", "from megatron_fp8rl.launch import init_distributed") == []
+    assert third_party_violations("def f():\n    import megatron.core") != []
+    assert third_party_violations("import torch, numpy as np\nimport math") == []

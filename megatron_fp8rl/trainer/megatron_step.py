@@ -99,21 +99,7 @@ def train_step(
     """
     model.zero_grad_buffer()
     optimizer.zero_grad()
-
-    def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module):
-        batch = next(data_iterator)
-        output = forward_fn(chunk, batch)
-        return output, lambda out: _detached_metrics(*loss_fn(batch, out))
-
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=model,
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=next(iter(micro_batches[0].values())).shape[0],
-        forward_only=False,
-    )
+    losses = _run_schedule(model, micro_batches, forward_fn, loss_fn, seq_length, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     return StepResult(
         metrics=_reduce_metrics(losses),
@@ -134,22 +120,28 @@ def forward_only(
     Returns what `collect_fn` put in its metrics dict, one dict per micro-batch, on the last
     pipeline stage; an empty list on other stages. All micro-batches must share one shape.
     """
+    with torch.no_grad():
+        return _run_schedule(model, micro_batches, forward_fn, collect_fn, seq_length, forward_only=True)
+
+
+def _run_schedule(model, micro_batches: list[MicroBatch], forward_fn: ForwardFn, loss_fn: LossFn,
+                  seq_length: int, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+    """Megatron's forward(/backward) schedule for this layout over `micro_batches`."""
 
     def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module):
         batch = next(data_iterator)
         output = forward_fn(chunk, batch)
-        return output, lambda out: _detached_metrics(*collect_fn(batch, out))
+        return output, lambda out: _detached_metrics(*loss_fn(batch, out))
 
-    with torch.no_grad():
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=model,
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=next(iter(micro_batches[0].values())).shape[0],
-            forward_only=True,
-        )
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=next(iter(micro_batches[0].values())).shape[0],
+        forward_only=forward_only,
+    )
 
 
 def _detached_metrics(
