@@ -39,3 +39,14 @@ def test_missing_files_fail_before_work(tmp_path):
     cfg = load_config(RunConfig, None, [f"model.hf_path={tmp_path}", "data.reward=nope:fn"])
     with pytest.raises(ValueError, match="cannot import module 'nope'"):
         check_inputs(cfg)
+
+
+def test_example_run_configs_load():
+    """Every run config under examples/ is valid against the schema (keys and values)."""
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = load_config(RunConfig, path, ["model.hf_path=/x"])
+        assert cfg.train.steps >= 1, path
