@@ -81,7 +81,9 @@ def _rollout_until_full(ctx: StepContext, prompts, answers, more_prompts):
     prompts (up to max_sampling_rounds) until `prompts_per_step` groups are kept."""
     cfg = ctx.cfg
     kept_samples, kept_rewards, seen, dropped, reward_stats = [], [], [], 0, {}
-    for _ in range(cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1):
+    for round_index in range(cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1):
+        if round_index:
+            prompts, answers = more_prompts()
         samples, rewards, stats = _broadcast(_generate_and_score(ctx, prompts, answers)
                                              if dist.get_rank() == 0 else None)
         seen.append(rewards)
@@ -97,7 +99,6 @@ def _rollout_until_full(ctx: StepContext, prompts, answers, more_prompts):
             kept_rewards.append(groups[g])
         if len(kept_samples) >= cfg.data.prompts_per_step:
             break
-        prompts, answers = more_prompts()
     kept_samples, kept_rewards = kept_samples[:cfg.data.prompts_per_step], kept_rewards[:cfg.data.prompts_per_step]
     raw = torch.cat(seen)
     metrics = {"reward/mean": float(raw.mean()), "reward/accuracy": float((raw > 0).float().mean()),
