@@ -8,3 +8,14 @@ def _deterministic_threads():
     """Keep CPU math reproducible and the 2-core CI box responsive."""
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     yield
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1():
+    """A one-process Megatron parallel state (TP=1, PP=1, gloo, CPU shims) for in-process tests;
+    torn down (shims included) after the module."""
+    from megatron_fp8rl.launch import init_distributed, shutdown_distributed
+
+    layout = init_distributed(tensor_parallel=1, pipeline_parallel=1, seed=3)
+    yield layout
+    shutdown_distributed()

@@ -3,15 +3,6 @@ import pytest
 import torch
 
 from megatron_fp8rl.compat import megatron_cpu
-from megatron_fp8rl.launch import init_distributed, shutdown_distributed
-
-
-@pytest.fixture
-def megatron_tp1():
-    layout = init_distributed(tensor_parallel=1, pipeline_parallel=1, seed=3)
-    yield layout
-    shutdown_distributed()
-    megatron_cpu.disable()
 
 
 def test_not_enabled_by_import():
