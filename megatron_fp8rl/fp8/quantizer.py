@@ -132,7 +132,10 @@ class CalibratedQuantizer:
             bound = self._reduce(bound.reshape(1))[0]
             recalibrate = torch.ones((), dtype=torch.bool, device=x.device)
         else:
-            no_bound = (state.amax_history.amax() <= 0).float()
+            # No bound yet: an empty window *and* TE's initial scale. The window alone is not
+            # enough: with amax_history_len=1 the roll empties it after every step, which made
+            # every step recalibrate (bench/fp8_recipes.py: 100% recalibrated).
+            no_bound = ((state.amax_history.amax() <= 0) & (state.scale == 1.0)).float()
             decision = self._reduce(torch.stack([bound, self._overflow(x), no_bound]))
             bound = decision[0]
             recalibrate = (decision[2] > 0) | (decision[1] > spec.overflow_tolerance)
