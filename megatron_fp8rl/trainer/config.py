@@ -13,6 +13,10 @@ from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
 ALGORITHMS = ("grpo", "dapo", "gspo")
 ADVANTAGES = ("grpo", "grpo_no_std", "rloo")
 CORRECTIONS = ("none", "tis", "mis")
+ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
+ROLLOUT_MODES = ("colocated", "disaggregated")
+WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
+ACTIVATION_SCHEMES = ("dynamic", "static")
 TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise")
 
 
@@ -56,10 +60,35 @@ class RolloutConfig:
     """Dtype SGLang serves in (float32 on the CPU tier, bfloat16 on GPU)."""
     max_total_tokens: int = 8192
     """SGLang KV-cache size in tokens (required on CPU)."""
+    fp8: str = "none"
+    """Rollout FP8 (one of ROLLOUT_FP8): none (serve `dtype`); blockwise (128x128 weight blocks,
+    1x128 activation groups: SGLang's native FP8 format); per_tensor (per-tensor weights,
+    activations per `activation_scheme`); aligned (the trainer's own FP8 weights and bounds, so
+    trainer and rollout quantize bit-identically; needs an FP8 trainer recipe in model.fp8)."""
+    activation_scheme: str = "dynamic"
+    """per_tensor activations: dynamic (per-token scales) or static (calibrated input_scale)."""
+    mode: str = "colocated"
+    """colocated (SGLang beside trainer rank 0, its memory released while training) or
+    disaggregated (an SGLang server on other devices or nodes)."""
+    server_url: str = ""
+    """disaggregated: URL of a running SGLang server; empty starts one as a subprocess."""
+    weight_transfer: str = "tensor"
+    """How new weights reach SGLang (one of WEIGHT_TRANSFERS): tensor (update_weights_from_tensor,
+    in-process), distributed (update_weights_from_distributed over a process group: gloo on CPU,
+    NCCL on GPU), disk (SGLang reloads a written HF snapshot)."""
+    bucket_mb: int = 512
+    """Largest weight-transfer bucket, in MiB."""
 
     def __post_init__(self):
         _check(self.n_samples >= 2, "rollout.n_samples", f"must be >= 2 for group advantages, got {self.n_samples}")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        _check(self.fp8 in ROLLOUT_FP8, "rollout.fp8", f"{self.fp8!r} is not one of {ROLLOUT_FP8}")
+        _check(self.activation_scheme in ACTIVATION_SCHEMES, "rollout.activation_scheme",
+               f"{self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
+        _check(self.mode in ROLLOUT_MODES, "rollout.mode", f"{self.mode!r} is not one of {ROLLOUT_MODES}")
+        _check(self.weight_transfer in WEIGHT_TRANSFERS, "rollout.weight_transfer",
+               f"{self.weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
+        _check(self.bucket_mb >= 1, "rollout.bucket_mb", f"must be >= 1, got {self.bucket_mb}")
 
 
 @dataclass

@@ -18,14 +18,12 @@ from megatron.core import parallel_state
 
 from megatron_fp8rl.data.rewards import RewardFn, score
 from megatron_fp8rl.rl.advantages import grpo_advantages, rloo_advantages
-from megatron_fp8rl.rl.correction import masked_importance_weights, truncated_importance_weights
-from megatron_fp8rl.rl.losses import policy_loss
-from megatron_fp8rl.rl.metrics import mismatch_metrics
 from megatron_fp8rl.rl.sampling import select_informative_groups, shape_overlong_rewards
 from megatron_fp8rl.rollout.engine import RolloutEngine, RolloutSample, SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch, micro_batches, pad_rows
 from megatron_fp8rl.trainer.config import RunConfig
+from megatron_fp8rl.trainer.objective import loss_denominator, make_loss_fn
 
 
 @dataclass
@@ -164,7 +162,7 @@ def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor) ->
     results = []
     for mini_rows in rows.chunk(cfg.train.mini_batches):
         mini = batch.select(mini_rows)
-        loss_fn = _loss_fn(cfg, _denominator(cfg, mini, dp_size))
+        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, mini, dp_size))
         mine = mini_rows.chunk(dp_size)[dp_rank]
         local = batch.select(mine)
         micro = micro_batches(local, cfg.train.micro_batch_size)
@@ -174,41 +172,6 @@ def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor) ->
     metrics = {f"train/{k}": sum(r.metrics[k] for r in results) / len(results) for k in results[0].metrics}
     metrics["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
     return metrics
-
-
-def _denominator(cfg: RunConfig, mini: RolloutBatch, dp_size: int) -> float:
-    """Makes each micro-batch's loss a share of the mini-batch aggregate: Megatron divides by the
-    number of micro-batches and DDP averages over DP ranks, so scale both back in."""
-    micro_per_rank = mini.size // dp_size // cfg.train.micro_batch_size
-    if cfg.algorithm.agg_mode == "token-mean":
-        count = float(mini.response_mask.sum())
-    else:
-        count = float((mini.response_mask.sum(dim=1) > 0).sum())
-    return max(count, 1.0) / (micro_per_rank * dp_size)
-
-
-def _loss_fn(cfg: RunConfig, denominator: float):
-    algo = cfg.algorithm
-
-    def loss_fn(mb, logprobs, entropy):
-        mask, old, rollout = mb["response_mask"], mb["old_logprobs"], mb["rollout_logprobs"]
-        metrics = mismatch_metrics(old, rollout, mask)
-        weights = None
-        if algo.correction == "tis":
-            correction = truncated_importance_weights(old, rollout, mask, cap=algo.tis_cap)
-        elif algo.correction == "mis":
-            correction = masked_importance_weights(old, rollout, mask, low=algo.mis_low, high=algo.mis_high)
-        if algo.correction != "none":
-            weights = correction.weights
-            metrics.update(correction.metrics)
-        out = policy_loss(logprobs, old, mb["advantages"], mask,
-                          ratio_level="sequence" if algo.name == "gspo" else "token",
-                          clip_low=algo.clip_low, clip_high=algo.clip_high, agg_mode=algo.agg_mode,
-                          max_response_length=cfg.rollout.max_new_tokens, denominator=denominator,
-                          correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef)
-        return out.loss, {**out.metrics, **metrics}
-
-    return loss_fn
 
 
 def sync_weights(ctx: StepContext, version: int) -> None:
