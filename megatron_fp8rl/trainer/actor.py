@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
+from megatron_fp8rl.compat.megatron_fp8_linear import fp8_layer_stats
 from megatron_fp8rl.compat.process_env import torchrun_free_env
 from megatron_fp8rl.convert.megatron_to_hf import (
     plan_megatron_to_hf, read_tensor_metadata, read_unit, split_unit,
@@ -98,6 +99,21 @@ class MegatronActor:
 
         seq = micro_batches[0]["tokens"].shape[1]
         return train_step(self.model, self.optimizer, micro_batches, self._forward, loss, seq)
+
+    def fp8_metrics(self) -> dict[str, float]:
+        """This rank's FP8 quantization statistics of its last forward/backward, for tensorboard:
+        `fp8/<layer>.<role>/<stat>` per FP8 linear (role: input, weight, grad_output; stat: bound,
+        saturated_fraction, underflow_fraction, recalibrated) and their means over layers as
+        `fp8/<role>/<stat>_mean`. Empty when the trainer is not in FP8. Rank 0 holds TP shard 0 of
+        the first pipeline stage's layers."""
+        metrics, sums = {}, {}
+        for name, stats in fp8_layer_stats(self.model).items():
+            role = name.rsplit(".", 1)[-1]
+            for stat in ("bound", "saturated_fraction", "underflow_fraction", "recalibrated"):
+                metrics[f"fp8/{name}/{stat}"] = stats[stat]
+                sums.setdefault(f"fp8/{role}/{stat}_mean", []).append(stats[stat])
+        metrics.update({key: sum(values) / len(values) for key, values in sums.items()})
+        return metrics
 
     def save_weights(self, directory: Path) -> Path:
         """All ranks: write the current weights as a torch_dist checkpoint (collective)."""

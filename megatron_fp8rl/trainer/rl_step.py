@@ -60,7 +60,7 @@ def rl_step(ctx: StepContext, prompts: list[list[int]], answers: list[str], more
     with _timed(ctx, "recompute"):
         old_logprobs = _old_logprobs(ctx, batch)
     with _timed(ctx, "train"):
-        train_metrics = _train(ctx, batch, old_logprobs)
+        train_metrics = {**_train(ctx, batch, old_logprobs), **ctx.actor.fp8_metrics()}
     with _timed(ctx, "sync"):
         sync_weights(ctx, version=step)
     tokens = float(batch.response_mask.sum())

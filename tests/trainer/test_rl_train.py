@@ -79,6 +79,12 @@ def test_train_tp2_with_fp8_trainer(tiny_run_inputs, tmp_path):
     assert len(mismatch) == 2
     # FP8 trainer vs fp32 rollout: a real but bounded mismatch (FP8 noise on a tiny model)
     assert 1e-4 < max(mismatch) < 0.5
+    # per-layer FP8 statistics reach tensorboard, each a fraction of the tensor
+    saturation = [tag for tag in scalars if tag.startswith("fp8/") and tag.endswith("/saturated_fraction")]
+    assert any("linear_fc1.input" in tag for tag in saturation), sorted(scalars)
+    for tag in saturation + ["fp8/weight/underflow_fraction_mean"]:
+        assert all(0.0 <= value <= 1.0 for value in scalars[tag]), tag
+    assert all(value > 0 for value in scalars["fp8/input/bound_mean"])
 
 
 @pytest.mark.multiprocess
