@@ -1,7 +1,7 @@
 """Per-step RL metrics of DESIGN.md's RL section that come from per-token tensors.
 
-Owns: clip fractions, importance-ratio statistics, train/rollout mismatch statistics and the
-entropy mean. Every function returns a dict of detached 0-dim tensors (no host sync); the trainer
+Owns: clip fractions, importance-ratio statistics, train/rollout mismatch statistics (with the
+quantiles of the train/rollout importance ratio) and the entropy mean. Every function returns a dict of detached 0-dim tensors (no host sync); the trainer
 turns them into tensorboard scalars. Tokens outside `response_mask` never count; with no token
 left, means are 0 and min/max are NaN (nothing to report).
 Must not import: anything from megatron_fp8rl outside rl/, megatron, or model code (layer L0).
@@ -57,6 +57,11 @@ def clip_metrics(
     }
 
 
+# Quantiles of the train/rollout importance ratio exp(Δ) that mismatch_metrics reports.
+RATIO_QUANTILES = (("min", 0.0), ("p01", 0.01), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9),
+                   ("p99", 0.99), ("max", 1.0))
+
+
 @torch.no_grad()
 def mismatch_metrics(
     train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
@@ -67,6 +72,9 @@ def mismatch_metrics(
         mismatch_abs_logprob_diff_mean / _max   mean and max of |Δ|
         mismatch_k3_kl    KL(π_rollout ‖ π_train) by the k3 estimator: mean of exp(Δ) − 1 − Δ
         mismatch_prob_error   token multiplicative probability error exp(mean |Δ|)
+        mismatch_ratio_{min,p01,p10,p50,p90,p99,max}   quantiles of the importance ratio
+                          ρ = exp(Δ) = π_train/π_rollout (Δ clamped at 20); NaN with no token.
+                          The trainer averages them over micro-batches and DP ranks.
     """
     check_same_shape("train_logprobs", train_logprobs, rollout_logprobs=rollout_logprobs,
                      response_mask=response_mask)
@@ -76,12 +84,31 @@ def mismatch_metrics(
     mean_abs = masked_mean(abs_delta, mask)
     _, max_abs = _masked_extrema(abs_delta, mask)
     k3 = torch.expm1(delta.clamp(max=20.0)) - delta
+    ratio = delta.clamp(max=20.0).exp()
+    quantiles = _masked_quantiles(ratio, mask, [q for _, q in RATIO_QUANTILES])
     return {
         "mismatch_abs_logprob_diff_mean": mean_abs,
         "mismatch_abs_logprob_diff_max": max_abs,
         "mismatch_k3_kl": masked_mean(k3, mask),
         "mismatch_prob_error": mean_abs.exp(),
+        **{f"mismatch_ratio_{name}": value for (name, _), value in zip(RATIO_QUANTILES, quantiles)},
     }
+
+
+def _masked_quantiles(values: torch.Tensor, mask: torch.Tensor, qs: list[float]) -> torch.Tensor:
+    """[len(qs)] quantiles of `values` where mask is set, interpolated linearly between order
+    statistics as torch.quantile does; NaN when no element is kept. Without a host sync: kept
+    values sort first (the rest become +inf) and indices come from the kept count on device.
+    `values` must be finite where kept."""
+    keep = mask.bool().flatten()
+    ordered = torch.where(keep, values.flatten(), float("inf")).sort().values
+    count = keep.sum()
+    position = values.new_tensor(qs) * (count - 1).clamp(min=0)
+    low, high = position.floor().long(), position.ceil().long()
+    below, above = ordered[low], ordered[high]
+    interpolated = below + (above - below) * (position - low)
+    # kept values are finite, so the inf filler is reached only when nothing is kept
+    return torch.where(count > 0, interpolated, values.new_tensor(float("nan")))
 
 
 @torch.no_grad()
