@@ -13,6 +13,7 @@ from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
 ALGORITHMS = ("grpo", "dapo", "gspo")
 ADVANTAGES = ("grpo", "grpo_no_std", "rloo")
 CORRECTIONS = ("none", "tis", "mis")
+OLD_POLICIES = ("decoupled", "bypass")
 ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
 ROLLOUT_MODES = ("colocated", "disaggregated")
 WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
@@ -123,6 +124,29 @@ class AlgorithmConfig:
     """MIS upper ratio bound."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
+    old_policy: str = "decoupled"
+    """π_old of the PPO ratio (one of OLD_POLICIES). decoupled: r = π_θ/π_old with the trainer's
+    recomputed old logprobs; the rollout mismatch is handled only by `correction`. bypass: r =
+    π_θ/π_rollout (no recompute forward) in the interval widened by the noise (rl.noise.widened_clip);
+    needs correction=none (r already carries the mismatch)."""
+    noise_quantile: float = 0.9
+    """α in [0.5, 1): bypass widens each clip side by the α tail of Δ = log π_old − log π_rollout,
+    ε_high' = min(ε_high + (1+ε_high)·expm1(max(q_α(Δ), 0)), noise_clip_high_max) (ε_low' alike)."""
+    noise_log_quantiles: list[float] = field(default_factory=lambda: [0.01, 0.1, 0.5, 0.9, 0.99])
+    """Levels in (0, 1) of q(Δ) and q(|Δ|) logged every step as noise/delta_q<level>, noise/abs_delta_q<level>."""
+    noise_clip_low_max: float = 0.5
+    """Upper limit of the widened ε_low' (>= clip_low, < 1): 1 − ε_low' >= 1 − noise_clip_low_max."""
+    noise_clip_high_max: float = 1.0
+    """Upper limit of the widened ε_high' (>= clip_high): 1 + ε_high' <= 1 + noise_clip_high_max."""
+    noise_correction: bool = False
+    """Noise-calibrated TIS cap C' = min(max(tis_cap, exp(q_α(Δ))), noise_tis_cap_max) and MIS band
+    [max(min(mis_low, exp(q_{1−α}(Δ))), noise_mis_low_min), min(max(mis_high, exp(q_α(Δ))), noise_mis_high_max)]."""
+    noise_tis_cap_max: float = 10.0
+    """Upper limit of the calibrated TIS cap (>= tis_cap)."""
+    noise_mis_low_min: float = 0.1
+    """Lower limit of the calibrated MIS lower bound (in [0, mis_low])."""
+    noise_mis_high_max: float = 10.0
+    """Upper limit of the calibrated MIS upper bound (>= mis_high)."""
 
     def __post_init__(self):
         _check(self.name in ALGORITHMS, "algorithm.name", f"{self.name!r} is not one of {ALGORITHMS}")
@@ -131,6 +155,34 @@ class AlgorithmConfig:
         _check(self.clip_low > 0 and self.clip_high > 0, "algorithm", "clip_low and clip_high must be > 0")
         _check(self.tis_cap > 0, "algorithm.tis_cap", "must be > 0")
         _check(0 <= self.mis_low < self.mis_high, "algorithm.mis_low", "need 0 <= mis_low < mis_high")
+        self._check_noise_options()
+
+    def _check_noise_options(self):
+        _check(self.old_policy in OLD_POLICIES, "algorithm.old_policy",
+               f"{self.old_policy!r} is not one of {OLD_POLICIES}")
+        _check(self.old_policy == "decoupled" or self.correction == "none", "algorithm.correction",
+               f"must be none with old_policy=bypass (the ratio π_θ/π_rollout already carries the "
+               f"train/rollout mismatch), got {self.correction!r}")
+        _check(0.5 <= self.noise_quantile < 1, "algorithm.noise_quantile",
+               f"must be in [0.5, 1), got {self.noise_quantile}")
+        _check(len(self.noise_log_quantiles) > 0 and all(0 < q < 1 for q in self.noise_log_quantiles),
+               "algorithm.noise_log_quantiles", f"need levels in (0, 1), got {list(self.noise_log_quantiles)}")
+        _check(self.clip_low < 1, "algorithm.clip_low", f"must be < 1, got {self.clip_low}")
+        _check(self.clip_low <= self.noise_clip_low_max < 1, "algorithm.noise_clip_low_max",
+               f"need clip_low <= noise_clip_low_max < 1, got {self.clip_low} and {self.noise_clip_low_max}")
+        _check(self.clip_high <= self.noise_clip_high_max, "algorithm.noise_clip_high_max",
+               f"need noise_clip_high_max >= clip_high, got {self.noise_clip_high_max} < {self.clip_high}")
+        _check(self.noise_tis_cap_max >= self.tis_cap, "algorithm.noise_tis_cap_max",
+               f"need noise_tis_cap_max >= tis_cap, got {self.noise_tis_cap_max} < {self.tis_cap}")
+        _check(0 <= self.noise_mis_low_min <= self.mis_low, "algorithm.noise_mis_low_min",
+               f"need 0 <= noise_mis_low_min <= mis_low, got {self.noise_mis_low_min} and {self.mis_low}")
+        _check(self.noise_mis_high_max >= self.mis_high, "algorithm.noise_mis_high_max",
+               f"need noise_mis_high_max >= mis_high, got {self.noise_mis_high_max} < {self.mis_high}")
+        _check(not self.noise_correction or self.correction != "none", "algorithm.noise_correction",
+               "calibrates the TIS/MIS thresholds: needs correction=tis or mis")
+        _check(not self.noise_correction or (self.tis_cap >= 1 and self.mis_low <= 1 <= self.mis_high),
+               "algorithm.noise_correction", "needs tis_cap >= 1 and mis_low <= 1 <= mis_high (the "
+               f"calibration only widens around ρ = 1), got {self.tis_cap}, [{self.mis_low}, {self.mis_high}]")
 
 
 @dataclass

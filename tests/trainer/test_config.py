@@ -50,3 +50,36 @@ def test_example_run_configs_load():
     for path in configs:
         cfg = load_config(RunConfig, path, ["model.hf_path=/x"])
         assert cfg.train.steps >= 1, path
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.old_policy=reuse"], "algorithm.old_policy: 'reuse' is not one of"),
+    (["algorithm.old_policy=bypass"], "algorithm.correction: must be none with old_policy=bypass"),
+    (["algorithm.noise_quantile=1.0"], r"algorithm.noise_quantile: must be in \[0.5, 1\)"),
+    (["algorithm.noise_quantile=-0.1"], r"algorithm.noise_quantile: must be in \[0.5, 1\)"),
+    (["algorithm.noise_log_quantiles=[0.5,1.5]"], r"algorithm.noise_log_quantiles: need levels in \(0, 1\)"),
+    (["algorithm.noise_log_quantiles=[]"], r"algorithm.noise_log_quantiles: need levels in \(0, 1\)"),
+    (["algorithm.noise_clip_low_max=0.1"], "algorithm.noise_clip_low_max: need clip_low <= noise_clip_low_max < 1"),
+    (["algorithm.noise_clip_low_max=1.0"], "algorithm.noise_clip_low_max: need clip_low <= noise_clip_low_max < 1"),
+    (["algorithm.noise_clip_high_max=0.1"], "algorithm.noise_clip_high_max: need noise_clip_high_max >= clip_high"),
+    (["algorithm.noise_tis_cap_max=1.5"], "algorithm.noise_tis_cap_max: need noise_tis_cap_max >= tis_cap"),
+    (["algorithm.noise_mis_low_min=-0.1"], "algorithm.noise_mis_low_min: need 0 <= noise_mis_low_min <= mis_low"),
+    (["algorithm.noise_mis_low_min=0.6"], "algorithm.noise_mis_low_min: need 0 <= noise_mis_low_min <= mis_low"),
+    (["algorithm.noise_mis_high_max=1.5"], "algorithm.noise_mis_high_max: need noise_mis_high_max >= mis_high"),
+    (["algorithm.noise_correction=true", "algorithm.correction=none"], "algorithm.noise_correction: .*needs correction=tis or mis"),
+    (["algorithm.noise_correction=true", "algorithm.tis_cap=0.5"], "algorithm.noise_correction: needs tis_cap >= 1"),
+])
+def test_noise_options_out_of_range_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, ["model.hf_path=/x", *overrides])
+
+
+def test_noise_options_set_by_dotted_overrides():
+    cfg = load_config(RunConfig, None, [
+        "model.hf_path=/x", "algorithm.old_policy=bypass", "algorithm.correction=none",
+        "algorithm.noise_quantile=0.95", "algorithm.noise_log_quantiles=[0.5,0.99]",
+        "algorithm.noise_clip_high_max=0.6"])
+    algo = cfg.algorithm
+    assert (algo.old_policy, algo.noise_quantile, algo.noise_clip_high_max) == ("bypass", 0.95, 0.6)
+    assert list(algo.noise_log_quantiles) == [0.5, 0.99]
+    assert load_config(RunConfig, None, ["model.hf_path=/x"]).algorithm.old_policy == "decoupled"
