@@ -7,6 +7,8 @@ Subcommands:
   demo         the tiny Megatron GPT on a built-in task (the smallest end-to-end check)
   convert      HF safetensors <-> Megatron torch_dist
   export-fp8   an FP8 HF checkpoint SGLang serves
+  report       PNG plots and a markdown report from run directories' tensorboard logs
+  stability    the FP8 stability study: one RL job under several precision settings, then report
 """
 from __future__ import annotations
 
@@ -77,6 +79,37 @@ def _export_fp8(args: argparse.Namespace) -> int:
     return run_export_fp8(args) or 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from megatron_fp8rl.report.logs import ReportError
+    from megatron_fp8rl.report.markdown import write_report
+
+    try:
+        path = write_report(args.run_dirs, args.out)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} and its plots")
+    return 0
+
+
+def _stability(args: argparse.Namespace) -> int:
+    from megatron_fp8rl.report.study import run_study
+
+    return run_study(args)
+
+
+def _add_report_commands(commands) -> None:
+    report = commands.add_parser("report", help="plots and a markdown report from run directories")
+    report.add_argument("run_dirs", nargs="+", help="run directories (each with tb/) to compare")
+    report.add_argument("--out", required=True, help="output folder for the PNGs and report.md")
+    report.set_defaults(func=_report)
+    from megatron_fp8rl.report.study import add_study_arguments
+
+    stability = commands.add_parser("stability", help="the FP8 stability study (issue 8) and its report")
+    add_study_arguments(stability)
+    stability.set_defaults(func=_stability)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-fp8rl", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export-fp8", help="write an FP8 HF checkpoint for SGLang")
     add_export_fp8_arguments(export)
     export.set_defaults(func=_export_fp8)
+    _add_report_commands(commands)
     return parser
 
 

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_fp8rl"
-# cli.py and launch.py are one unit: the entry-point layer.
+# cli.py, launch.py and report/ are one unit: the entry-point layer.
 LAYERS = {
     "fp8": 0, "rl": 0,
     "config": 1, "compat": 1,
     "models": 2, "convert": 2, "rollout": 2, "data": 2,
     "trainer": 3,
-    "cli": 4, "launch": 4,
+    "cli": 4, "launch": 4, "report": 4,
 }
-UNIT = {"launch": "cli"}
+UNIT = {"launch": "cli", "report": "cli"}
 
 
 def _unit(name: str) -> str:

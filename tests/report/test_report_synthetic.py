@@ -1,0 +1,117 @@
+"""The report generator on tensorboard logs written here with SummaryWriter (fast, no training):
+every figure is a real PNG, tables hold the logged numbers, FP8 heatmaps only for FP8 runs,
+bad run directories fail with a clear error."""
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from torch.utils.tensorboard import SummaryWriter
+
+from megatron_fp8rl.cli import main
+from megatron_fp8rl.report.logs import ReportError, load_run
+from megatron_fp8rl.report.markdown import final_figures, write_report
+from megatron_fp8rl.report.plots import fp8_layer_matrix
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+LAYERS = [f"module.decoder.layers.{i}.mlp.linear_fc1" for i in (0, 1, 2, 10)]
+RATIO_NAMES = ("min", "p01", "p10", "p50", "p90", "p99", "max")
+
+
+def write_fake_run(run_dir: Path, *, steps: int, fp8: bool, mismatch: float) -> None:
+    """A run directory as `megatron-fp8rl train` leaves it: config.yaml and tb/ scalars."""
+    run_dir.mkdir(parents=True)
+    config = {"model": {"fp8": "calibrated" if fp8 else "none"}, "rollout": {"fp8": "none"},
+              "algorithm": {"correction": "tis"}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    writer = SummaryWriter(str(run_dir / "tb"))
+    writer.add_scalar("eval/accuracy", 0.1, 0)
+    for step in range(1, steps + 1):
+        scalars = {"reward/mean": 0.1 * step, "reward/accuracy": 0.05 * step, "train/entropy": 2.0 - 0.1 * step,
+                   "train/mismatch_abs_logprob_diff_mean": mismatch * step,
+                   "train/mismatch_abs_logprob_diff_max": 4 * mismatch * step,
+                   "train/mismatch_k3_kl": mismatch ** 2, "train/clip_frac_high": 0.01 * step,
+                   "train/clip_frac_low": 0.0, "train/tis_clip_frac": 0.002, "train/ratio_min": 0.9,
+                   "train/ratio_mean": 1.0, "train/ratio_max": 1.1}
+        for index, name in enumerate(RATIO_NAMES):
+            scalars[f"train/mismatch_ratio_{name}"] = math.exp(mismatch * (index - 3))
+        if fp8:
+            for layer_index, layer in enumerate(LAYERS):
+                for role in ("input", "weight", "grad_output"):
+                    scalars[f"fp8/{layer}.{role}/saturated_fraction"] = 0.001 * layer_index * step
+                    scalars[f"fp8/{layer}.{role}/underflow_fraction"] = 0.01
+                    scalars[f"fp8/{layer}.{role}/bound"] = 3.0
+            scalars["fp8/input/saturated_fraction_mean"] = 0.0042
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, step)
+    writer.add_scalar("eval/accuracy", 0.3, steps)
+    writer.close()
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert len(data) > 1000, f"{path} is suspiciously small ({len(data)} bytes)"
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    write_fake_run(tmp_path / "bf16", steps=4, fp8=False, mismatch=1e-3)
+    write_fake_run(tmp_path / "fp8", steps=4, fp8=True, mismatch=0.1)
+    return tmp_path / "bf16", tmp_path / "fp8"
+
+
+def test_every_plot_and_the_markdown(two_runs, tmp_path):
+    out = tmp_path / "report"
+    report = write_report(list(two_runs), out)
+    expected = {"reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "fp8_fp8"}
+    pngs = {p.stem for p in out.glob("*.png")}
+    assert pngs == expected  # no heatmap for the run without an FP8 trainer
+    for name in expected:
+        assert_png(out / f"{name}.png")
+    text = report.read_text()
+    embedded = set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text))
+    assert embedded == {f"{name}.png" for name in expected}
+    for table in re.findall(r"(?:^\|.*\n)+", text, re.M):  # every row has the header's columns
+        widths = {len(re.split(r"(?<!\\)\|", row)) for row in table.splitlines()}
+        assert len(widths) == 1, table
+    # the final-figures table holds the logged numbers: mean |Δlogp| of the FP8 run is
+    # 0.1 * mean(1..4) = 0.25, its final reward 0.4
+    fp8_row = next(line for line in text.splitlines() if line.startswith("| fp8 |") and "0.25" in line)
+    assert "calibrated" in fp8_row
+    assert "| 0.4 |" in next(line for line in text.splitlines() if line.startswith("| fp8 |"))
+
+
+def test_final_figures_numbers(two_runs):
+    figures = final_figures(load_run(two_runs[1]))
+    assert figures["steps"] == 4
+    assert figures["reward_final"] == pytest.approx(0.4)
+    assert figures["abs_logprob_diff_mean"] == pytest.approx(0.25)
+    assert figures["eval_accuracy"] == "0.1 → 0.3"
+    assert figures["entropy_max_over_first"] == pytest.approx(1.0)
+    assert figures["ratio_p99_mean"] == pytest.approx(math.exp(0.2), rel=1e-6)
+    assert figures["fp8_input_saturated_mean"] == pytest.approx(0.0042)
+    assert final_figures(load_run(two_runs[0]))["fp8_input_saturated_mean"] is None
+
+
+def test_fp8_heatmap_rows_follow_layer_order(two_runs):
+    layers, steps, matrix = fp8_layer_matrix(load_run(two_runs[1]), "input", "saturated_fraction")
+    assert layers == LAYERS  # layer 10 after layer 2 (numeric order, not string order)
+    assert list(steps) == [1, 2, 3, 4]
+    np.testing.assert_allclose(matrix[3], [0.003 * s for s in (1, 2, 3, 4)], rtol=1e-6)
+
+
+def test_cli_report_command(two_runs, tmp_path):
+    assert main(["report", str(two_runs[0]), str(two_runs[1]), "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "report.md").is_file()
+    assert_png(tmp_path / "cli" / "mismatch.png")
+
+
+def test_bad_run_directories_name_the_path(tmp_path):
+    with pytest.raises(ReportError, match="does not exist"):
+        load_run(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match=r"empty: no tensorboard logs"):
+        load_run(tmp_path / "empty")
