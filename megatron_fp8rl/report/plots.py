@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from megatron_fp8rl.report.logs import FP8_ROLES, RunLogs, Series
 
@@ -80,6 +81,7 @@ def line_figure(runs: list[RunLogs], title: str, panels: tuple[Panel, ...], path
             _set_scale(ax, drawn)
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(title)
@@ -146,6 +148,7 @@ def ratio_figure(runs: list[RunLogs], path: Path) -> Path | None:
     axes[0][1].set_title("PPO ratio π_new/π_old", fontsize=9)
     for ax in axes[-1]:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if not drew_any:
         return None
     fig.savefig(path, dpi=100)
@@ -182,8 +185,12 @@ def fp8_heatmap(run: RunLogs, path: Path) -> Path | None:
     for role, row in zip(roles, axes):
         for stat, ax in zip(FP8_STATS, row):
             layers, steps, matrix = fp8_layer_matrix(run, role, stat)
+            # fixed at 0 from below so an all-zero map reads as zero, not as mid-scale
+            top = np.nanmax(matrix) if np.isfinite(matrix).any() else 0.0
             image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma",
+                              vmin=0.0, vmax=max(float(top), 1e-6),
                               extent=(steps[0] - 0.5, steps[-1] + 0.5, len(layers) - 0.5, -0.5))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             fig.colorbar(image, ax=ax, fraction=0.04)
             stride = max(1, len(layers) // 24)
             ax.set_yticks(range(0, len(layers), stride),

@@ -1,5 +1,7 @@
-"""The FP8 stability study (issue 8): one RL job, same seed and data, under several precision
-settings, each a `megatron-fp8rl train` run under torchrun into its own directory, then the report.
+"""The FP8 stability study (issue 8): one RL job under several precision settings, then a report.
+
+The same seed, data and sizes for every setting; each is a `megatron-fp8rl train` run under
+torchrun into its own directory, one after another.
 
 Owns: the settings table, the study's run sizes (full and --quick), running the settings one
 after another, and its command line (`megatron-fp8rl stability`, `python bench/stability.py`).
@@ -44,6 +46,13 @@ PRECISIONS = (
     ("calibrated_aligned", ("model.fp8=calibrated", "rollout.fp8=aligned")),
 )
 CORRECTIONS = (("none", ("algorithm.correction=none",)), ("tis", ("algorithm.correction=tis",)))
+# Run only when named in --settings: the noise-aware options (rl/noise.py) on the aligned setting.
+OPTIONAL = (
+    ("calibrated_aligned_bypass", ("model.fp8=calibrated", "rollout.fp8=aligned",
+                                   "algorithm.old_policy=bypass", "algorithm.correction=none")),
+    ("calibrated_aligned_noisetis", ("model.fp8=calibrated", "rollout.fp8=aligned",
+                                     "algorithm.correction=tis", "algorithm.noise_correction=true")),
+)
 
 # The job every setting runs. Dynamic sampling is off so every setting trains on the same prompt
 # stream (it draws extra prompts depending on rewards, which differ between settings).
@@ -75,10 +84,10 @@ def parse_added_setting(spec: str) -> Setting:
 
 
 def select_settings(names: str | None, added: list[Setting]) -> list[Setting]:
-    """The settings named in a comma list (all, plus added ones, when None)."""
-    table = {s.name: s for s in [*study_settings(), *added]}
+    """The settings named in a comma list; when None, the issue's settings plus added ones."""
     if names is None:
-        return list(table.values())
+        return [*study_settings(), *added]
+    table = {s.name: s for s in [*study_settings(), *(Setting(n, o) for n, o in OPTIONAL), *added]}
     chosen = [n for n in names.split(",") if n]
     unknown = [n for n in chosen if n not in table]
     if unknown:
@@ -203,8 +212,8 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=str(REPO / ".cache" / "smollm2"),
                         help="HF checkpoint (default: SmolLM2-135M-Instruct, materialized on first use)")
     parser.add_argument("--settings", default=None,
-                        help="comma list of setting names (default: all); names: "
-                             + ", ".join(s.name for s in study_settings()))
+                        help="comma list of setting names (default: the issue's 8 and --add ones); "
+                             "names: " + ", ".join([s.name for s in study_settings()] + [n for n, _ in OPTIONAL]))
     parser.add_argument("--add", type=parse_added_setting, action="append", default=[],
                         help="extra setting NAME:key=value[,key=value...] (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

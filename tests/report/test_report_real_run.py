@@ -1,0 +1,78 @@
+"""The stability study's runner and the report on a short real run: a tiny random Llama, 2 RL
+steps, the real SGLang engine and Megatron actor, two settings (float32 trainer; calibrated FP8
+trainer). Every plot, the per-layer FP8 heatmap of the FP8 run, and the markdown come out.
+
+Starts torchrun twice, one after the other: 1 worker each, which starts one SGLang engine
+(2 more processes).
+"""
+import json
+import re
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megatron_fp8rl.report.study import main as stability_main
+from tests.report.test_report_synthetic import assert_png
+from tests.rollout.tiny_models import build_tiny_model
+
+SETTINGS = ("bf16_bf16_none", "fp8trainer")
+FIGURES = ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("study")
+    model = build_tiny_model("llama", root / "model")
+    generator = torch.Generator().manual_seed(0)
+    with open(root / "prompts.jsonl", "w") as handle:
+        for _ in range(16):
+            words = " ".join(f"w{int(i)}" for i in torch.randint(3, 128, (4,), generator=generator))
+            handle.write(json.dumps({"prompt": words, "answer": "w4"}) + "\n")
+    prompts = root / "prompts.jsonl"
+    code = stability_main([
+        "--quick", "--study-dir", str(root / "study"), "--model", str(model),
+        "--settings", ",".join(SETTINGS),
+        "--add", "fp8trainer:model.fp8=calibrated,rollout.fp8=none,algorithm.correction=tis",
+        "--set", f"data.train={prompts}", "--set", f"data.eval={prompts}",
+        "--set", "data.reward=tests.trainer.reward_fns:first_word_even", "--set", "train.lr=1e-3",
+        "--timeout", "900"])
+    assert code == 0
+    return root / "study"
+
+
+def _scalars(run_dir):
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_study_writes_every_plot_and_the_report(study):
+    out = study / "report"
+    expected = {*FIGURES, "fp8_fp8trainer"}
+    assert {p.stem for p in out.glob("*.png")} == expected  # no heatmap for the float32 trainer
+    for name in expected:
+        assert_png(out / f"{name}.png")
+    text = (out / "report.md").read_text()
+    assert set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)) == {f"{n}.png" for n in expected}
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert "calibrated" in rows["fp8trainer"] and "none" in rows["bf16_bf16_none"]
+    assert set(json.loads((study / "timings.json").read_text())) == set(SETTINGS)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_real_run_logs_the_ratio_quantiles_the_report_plots(study):
+    exact, fp8 = _scalars(study / "bf16_bf16_none"), _scalars(study / "fp8trainer")
+    for scalars in (exact, fp8):
+        assert len(scalars["train/mismatch_ratio_p50"]) == 2
+        for step in range(2):
+            values = [scalars[f"train/mismatch_ratio_{q}"][step] for q in ("min", "p10", "p50", "p90", "max")]
+            assert values == sorted(values)
+    # float32 trainer and rollout agree: every token's ratio is 1 to within 1e-3
+    assert all(abs(v - 1) < 1e-3 for q in ("min", "max") for v in exact[f"train/mismatch_ratio_{q}"])
+    # the FP8 trainer's noise widens the ratio distribution
+    assert max(fp8["train/mismatch_ratio_max"]) - min(fp8["train/mismatch_ratio_min"]) > 1e-3
+    assert any(tag.endswith("linear_fc1.input/saturated_fraction") for tag in fp8)
