@@ -112,29 +112,45 @@ def _free_port() -> int:
 
 
 def run_setting(command: list[str], log_path: Path, timeout_s: float) -> int:
-    """Run one training command, output to `log_path`; afterwards kill every process it started
-    (marked through the environment: SGLang children and dist_checkpointing helpers can outlive
-    a failed worker, and torchrun gives each worker its own session)."""
+    """Run one training command, output to `log_path`; afterwards kill every process it started.
+    Two nets: an environment marker (torchrun gives each worker its own session, and
+    dist_checkpointing helpers can outlive a failed worker) and the process tree sampled while it
+    runs (SGLang's children rename themselves with setproctitle, which overwrites the environment
+    that /proc shows)."""
     marker = uuid.uuid4().hex
     env = dict(os.environ, MEGATRON_FP8RL_STUDY_RUN=marker)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    seen: dict[int, float] = {}
+    deadline = time.monotonic() + timeout_s
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)
         try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return 124
+            while (code := proc.poll()) is None:
+                if time.monotonic() > deadline:
+                    return 124
+                _remember_descendants(proc.pid, seen)
+                time.sleep(2.0)
+            return code
         finally:
-            _kill_marked(marker)
+            _kill_started(marker, seen)
 
 
-def _kill_marked(marker: str) -> None:
+def _remember_descendants(pid: int, seen: dict[int, float]) -> None:
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            seen[child.pid] = child.create_time()
+    except psutil.Error:
+        pass
+
+
+def _kill_started(marker: str, seen: dict[int, float]) -> None:
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("MEGATRON_FP8RL_STUDY_RUN") == marker:
+            mine = proc.pid in seen and proc.create_time() == seen[proc.pid]  # not a reused pid
+            if mine or proc.environ().get("MEGATRON_FP8RL_STUDY_RUN") == marker:
                 proc.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except psutil.Error:
             continue
 
 

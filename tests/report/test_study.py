@@ -56,3 +56,27 @@ def test_train_command_puts_user_overrides_last(tmp_path):
     assert command[command.index("--module") + 1:command.index("--module") + 3] == ["megatron_fp8rl.cli", "train"]
     assert command.index("algorithm.correction=tis") < command.index("algorithm.correction=mis")
     assert _config(command[command.index("train") + 1:]).algorithm.correction == "mis"
+
+
+def test_run_setting_kills_what_the_run_left_behind(tmp_path):
+    """A grandchild that drops the environment marker and outlives its parent (as SGLang's
+    renamed scheduler can) is killed once the run ends."""
+    import sys
+    import time
+
+    import psutil
+
+    from megatron_fp8rl.report.study import run_setting
+
+    pid_file = tmp_path / "grandchild.pid"
+    parent = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], env={},"
+              " start_new_session=True)\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(5)\n")
+    assert run_setting([sys.executable, "-c", parent], tmp_path / "log", timeout_s=60) == 0
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(grandchild) and psutil.Process(grandchild).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "grandchild still running"
+        time.sleep(0.2)
