@@ -27,6 +27,7 @@ COMMON = [
     "ml_dtypes>=0.4",
     "math-verify>=0.8",  # reward: answer equivalence
     "pyarrow>=15",  # Parquet prompt datasets
+    "matplotlib>=3.8",  # `megatron-fp8rl report` / `stability` plots (both tiers)
 ]
 
 setup(
@@ -58,5 +59,10 @@ setup(
             "pydantic>=2",  # Transformer Engine's recipe module, loaded by tests/compat
         ],
     },
-    entry_points={"console_scripts": ["megatron-fp8rl=megatron_fp8rl.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-fp8rl=megatron_fp8rl.cli:main"],
+        # SGLang runs its general plugins in every process it starts (main, scheduler,
+        # detokenizer): this registers our FP8 quantization method there (rollout/sglang_fp8.py).
+        "sglang.srt.plugins": ["megatron_fp8rl_fp8 = megatron_fp8rl.rollout.sglang_fp8:register"],
+    },
 )

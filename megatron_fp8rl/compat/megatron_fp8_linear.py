@@ -2,7 +2,11 @@
 
 Owns: `Fp8ColumnParallelLinear` / `Fp8RowParallelLinear` (drop-ins for the
 `ColumnParallelLinear` / `RowParallelLinear` that `get_gpt_layer_local_spec()` uses),
-`fp8_local_layer_spec(recipe)` (that spec with them swapped in) and `fp8_layer_stats(model)`.
+`fp8_local_layer_spec(recipe)` (that spec with them swapped in), `fp8_layer_stats(model)`, and
+the per-decoder-layer view the rollout alignment needs: `fp8_decoder_linears(model)` (global layer
+number, path, module), `shared_fp8_scales(model)` (the scales a rollout engine must use to
+compute what the next forward computes) and `frozen_fp8_scales(model, scales)` (a pass whose weight and input
+quantizers use given dequant multipliers, e.g. those the rollout engine served).
 Must not import: anything above layer L1 (models, convert, rollout, trainer, cli).
 
 What changes against Megatron's layers: only `_forward_impl`, the matmul (megatron-core 0.16.1's
@@ -24,6 +28,7 @@ spec, so it stays in high precision.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 
 import torch
 from megatron.core import parallel_state
@@ -38,7 +43,7 @@ from megatron_fp8rl.fp8.linear import (
     quantizers_extra_state,
     resolve_gemm,
 )
-from megatron_fp8rl.fp8.quantizer import make_quantizers
+from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers, next_scale
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 
 
@@ -151,3 +156,58 @@ def fp8_layer_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
             for role, role_stats in module.fp8_stats().items():
                 stats[f"{name}.{role}"] = role_stats.as_floats()
     return stats
+
+
+DECODER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                   "mlp.linear_fc2")
+"""Paths of the FP8 linears inside one Megatron TransformerLayer (local spec)."""
+
+
+def _decoder(model: torch.nn.Module):
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module  # DDP / Float16Module wrappers
+    return model.decoder
+
+
+def fp8_decoder_linears(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
+    """(global 0-based layer number, path in DECODER_LINEARS, module) of every FP8 linear of this
+    rank's pipeline stage (the layer number counts from the first stage, as HF names do)."""
+    found = []
+    for layer in _decoder(model).layers:
+        for path in DECODER_LINEARS:
+            module = layer.get_submodule(path)
+            if isinstance(module, _Fp8LinearMixin):
+                found.append((layer.layer_number - 1, path, module))
+    return found
+
+
+def shared_fp8_scales(model: torch.nn.Module) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """{(global layer, path): (weight_scale_inv, input_scale_inv)} of this rank's FP8 linears, fp32
+    scalars on CPU: what their next forward would use (fp8.quantizer.next_scale; a calibrated
+    weight's scale is all-reduced over the amax group, so all its ranks call this together)."""
+    scales = {}
+    for layer, path, module in fp8_decoder_linears(model):
+        quantizers = module.fp8_quantizers
+        weight = next_scale(quantizers.weight, module.weight.detach())
+        scales[(layer, path)] = (weight.reciprocal().cpu(), next_scale(quantizers.input).reciprocal().cpu())
+    return scales
+
+
+@contextmanager
+def frozen_fp8_scales(model: torch.nn.Module, scales: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]):
+    """Within the block every FP8 linear of `model` quantizes its weight and input per tensor with
+    the given dequant multipliers `scales[(layer, path)] = (weight_scale_inv, input_scale_inv)`
+    (fp8.quantize.quantize_with_scale_inv): no scaling state changes, no collectives. KeyError
+    naming a layer without scales."""
+    linears = fp8_decoder_linears(model)
+    missing = [f"{layer}.{path}" for layer, path, _ in linears if (layer, path) not in scales]
+    if missing:
+        raise KeyError(f"frozen FP8 scales missing for decoder layers {missing[:4]}")
+    saved = [(module, module.fp8_quantizers) for _, _, module in linears]
+    try:
+        for layer, path, module in linears:
+            module.fp8_quantizers = frozen_quantizers(module.fp8_quantizers, *scales[(layer, path)])
+        yield
+    finally:
+        for module, quantizers in saved:
+            module.fp8_quantizers = quantizers

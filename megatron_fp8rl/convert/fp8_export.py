@@ -38,8 +38,9 @@ from megatron_fp8rl.fp8.formats import get_format
 from megatron_fp8rl.fp8.quantize import (
     WEIGHT_BLOCK,
     Fp8Tensor,
+    finite_amax,
     quantize_blockwise,
-    quantize_per_tensor,
+    quantize_with_scale_inv,
     scale_from_bound,
 )
 
@@ -90,7 +91,10 @@ def quantize_weight(module: str, weight: torch.Tensor, options: Fp8ExportOptions
     if options.scheme == "block":
         return quantize_blockwise(weight, E4M3, WEIGHT_BLOCK)
     bound = options.bounds.get(module, {}).get("weight")
-    return quantize_per_tensor(weight, E4M3, None if bound is None else torch.tensor(bound))
+    bound = finite_amax(weight) if bound is None else torch.tensor(float(bound))
+    # Quantized through the stored multiplier, as the rollout engine and the trainer's frozen-scale
+    # recompute read it back (1 / (1 / s) need not be s in fp32).
+    return quantize_with_scale_inv(weight, scale_from_bound(bound, E4M3.max).reciprocal(), E4M3)
 
 
 def input_scale(module: str, options: Fp8ExportOptions) -> torch.Tensor:

@@ -123,6 +123,16 @@ def quantize_per_tensor(
     return Fp8Tensor(quantize(x, scale, fmt), scale.reciprocal(), "tensor")
 
 
+def quantize_with_scale_inv(x: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format) -> Fp8Tensor:
+    """Per-tensor static quantization from a stored dequant multiplier (a checkpoint's
+    `weight_scale` / `input_scale`): q = saturate(x * (1 / scale_inv)), dequantized by scale_inv
+    itself. The trainer's frozen-scale passes and the rollout engine both quantize through this
+    one function from the same fp32 `scale_inv`, so their FP8 values and GEMM multipliers are
+    bit-identical (1 / (1 / s) need not equal s in fp32)."""
+    scale_inv = scale_inv.detach().float().reshape(())
+    return Fp8Tensor(quantize(x, scale_inv.reciprocal(), fmt), scale_inv, "tensor")
+
+
 def quantize_per_row(x: torch.Tensor, fmt: Fp8Format, margin: int = 0) -> Fp8Tensor:
     """One scale per row of x [..., K] from each row's finite amax; scale_inv [..., 1]."""
     scale = scale_from_bound(finite_amax(x, dim=-1, keepdim=True), fmt.max, margin)

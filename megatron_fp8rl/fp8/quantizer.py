@@ -6,6 +6,9 @@ backward format) and their scaling state; `make_quantizers(recipe, group)` picks
                          record the amax and update (the update TE runs after each autocast).
 - `CalibratedQuantizer`  our recipe (recipe.CalibratedDelayedScaling).
 - `CurrentQuantizer`     tensorwise current scaling, `BlockQuantizer` blockwise current scaling.
+- `StaticQuantizer`      one fixed dequant multiplier (no state, no collectives): the frozen-scale
+                         mode (`frozen_quantizers`) in which the trainer recomputes logprobs with
+                         exactly the bounds the rollout engine served (`next_scale` reads them).
 Every `quantize` leaves `last_stats` (stats.QuantStats) for logging.
 Collectives: with a group of more than one rank, each `quantize` of a delayed or calibrated
 quantizer all-reduces once, so every rank must quantize the same roles in the same order.
@@ -26,6 +29,7 @@ from megatron_fp8rl.fp8.quantize import (
     finite_amax,
     quantize,
     quantize_blockwise,
+    quantize_with_scale_inv,
     scale_from_bound,
 )
 from megatron_fp8rl.fp8.scaling import DelayedScalingState, all_reduce_max_, roll_amax_history_
@@ -161,6 +165,61 @@ class CalibratedQuantizer:
 
     def load_state_dict(self, state: dict, name: str = "quantizer") -> None:
         self.state.load_state_dict(state, name)
+
+
+class StaticQuantizer:
+    """Per-tensor quantization with a fixed dequant multiplier `scale_inv` (fp8 quantize.py
+    `quantize_with_scale_inv`); records statistics but never updates any state."""
+
+    def __init__(self, fmt: Fp8Format, scale_inv: torch.Tensor):
+        self.fmt, self.scale_inv = fmt, scale_inv.detach().float().reshape(())
+        self.last_stats: QuantStats | None = None
+
+    def quantize(self, x: torch.Tensor) -> Fp8Tensor:
+        result = quantize_with_scale_inv(x, self.scale_inv.to(x.device), self.fmt)
+        self.last_stats = quantization_stats(x, result.scale_inv.reciprocal(), result.data, self.fmt,
+                                             recalibrated=False)
+        return result
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, name: str = "quantizer") -> None:
+        return None
+
+
+def next_scale(quantizer, x: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-tensor scale `quantizer`'s next quantization would use, without changing its state:
+    a calibrated weight quantizer derives it from `x` (the current weight; all-reduced over its
+    group, so every rank of that group must call this in the same order), delayed and calibrated
+    activation quantizers use their predicted scale. ValueError for quantizers without one
+    (current or blockwise scaling) or with no bound recorded yet."""
+    if isinstance(quantizer, CalibratedQuantizer) and quantizer.from_current:
+        if x is None:
+            raise ValueError("a calibrated weight quantizer needs the current weight to give its scale")
+        spec = quantizer.spec
+        bound = calibrate_bound(x, spec.criterion, quantizer.fmt, spec.saturation_budget)
+        bound = quantizer._reduce(bound.reshape(1).to(quantizer.state.scale.device))[0]
+        return scale_from_bound(bound, quantizer.fmt.max, spec.margin, quantizer.state.scale)
+    if isinstance(quantizer, (CalibratedQuantizer, DelayedQuantizer)):
+        state = quantizer.state
+        if bool((state.amax_history.amax() <= 0) & (state.scale == 1.0)):
+            raise ValueError("the quantizer has no bound yet: run a forward pass (calibration) first")
+        return state.scale.clone()
+    raise ValueError(
+        f"{type(quantizer).__name__} has no fixed per-tensor scale to share: aligned rollouts need "
+        "a per-tensor stateful recipe (calibrated, te_delayed or megatron_delayed)"
+    )
+
+
+def frozen_quantizers(
+    quantizers: "Fp8Quantizers", weight_scale_inv: torch.Tensor, input_scale_inv: torch.Tensor
+) -> "Fp8Quantizers":
+    """Quantizers that quantize the weight and the input with these fixed dequant multipliers
+    (the grad_output quantizer is kept); for passes that must reproduce a rollout's FP8 exactly."""
+    forward = quantizers.weight.fmt
+    return Fp8Quantizers(StaticQuantizer(forward, input_scale_inv),
+                         StaticQuantizer(forward, weight_scale_inv), quantizers.grad_output)
 
 
 def _on_device(state: DelayedScalingState, device: torch.device) -> DelayedScalingState:

@@ -1,12 +1,15 @@
 """What the in-process SGLang engine and the SGLang server share: their configuration, the
 translation of our sampling parameters into SGLang's, and of SGLang's outputs into `RolloutSample`s.
 
-Owns: `SGLangConfig`, `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`.
+Owns: `SGLangConfig`, `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`, and
+the rollout FP8 modes (`ROLLOUT_FP8`, `FP8_BACKENDS`, `check_fp8_checkpoint`): which FP8 checkpoint
+layout each mode serves and which SGLang quantization method serves it.
 Must not import: models, convert, data, trainer, cli; and not sglang itself (the server client
 never imports it).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +20,18 @@ from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, Sam
 # SGLang returns logprobs of logits / temperature unless this is set in its scheduler's environment
 # (DESIGN.md hazard 1); RL needs the temperature-1 policy's logprobs.
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+OUR_FP8_METHOD = "fp8rl"
+"""SGLang quantization method name of rollout/sglang_fp8.py (registered by its plugin)."""
+ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
+"""none: serve the checkpoint's dtype; blockwise: 128x128 weight blocks with 1x128 activation
+groups; per_tensor: per-tensor weights, activations per `activation_scheme`; aligned: the trainer's
+own per-tensor FP8 weights and static activation bounds (the served checkpoint is per-tensor
+static; weight syncs carry the trainer's scales)."""
+FP8_BACKENDS = ("ours", "sglang")
+"""ours: megatron_fp8rl's method (our fp8/ arithmetic, runs on CPU; the only one that makes
+aligned rollouts bit-identical to the trainer); sglang: SGLang's native `fp8` kernels (GPU, or
+CPU with AMX): faster, same checkpoint format, not bit-aligned with the trainer."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +60,37 @@ class SGLangConfig:
     """The version reported for the checkpoint's own weights."""
     log_level: str = "error"
     """SGLang's log level."""
+    fp8: str = "none"
+    """Rollout FP8 mode (ROLLOUT_FP8); anything but none needs `model_path` to be an FP8
+    checkpoint of that layout (megatron_fp8rl.convert.fp8_export writes them)."""
+    activation_scheme: str = "dynamic"
+    """per_tensor activations: dynamic (per-token scales) or static (the checkpoint's input_scale).
+    aligned is always static; blockwise always dynamic."""
+    fp8_backend: str = "ours"
+    """Which SGLang quantization method serves FP8 (FP8_BACKENDS). "sglang" cannot run on a CPU
+    without AMX and is not bit-aligned with the trainer."""
     extra: dict = field(default_factory=dict)
     """Further SGLang ServerArgs, passed through unchanged."""
+
+    def __post_init__(self):
+        if self.fp8 not in ROLLOUT_FP8:
+            raise ValueError(f"SGLangConfig.fp8: {self.fp8!r} is not one of {ROLLOUT_FP8}")
+        if self.activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"SGLangConfig.activation_scheme: {self.activation_scheme!r} is not dynamic or static")
+        if self.fp8_backend not in FP8_BACKENDS:
+            raise ValueError(f"SGLangConfig.fp8_backend: {self.fp8_backend!r} is not one of {FP8_BACKENDS}")
+        if self.fp8 == "aligned" and self.fp8_backend != "ours":
+            raise ValueError("SGLangConfig: fp8=aligned needs fp8_backend='ours' (SGLang's native "
+                             "kernels do not compute the trainer's FP8 arithmetic)")
+
+    def fp8_layout(self) -> tuple[str, str] | None:
+        """(scheme 'block'|'tensor', activation scheme) the served checkpoint must have; None
+        when the rollout is not FP8."""
+        if self.fp8 == "none":
+            return None
+        if self.fp8 == "blockwise":
+            return "block", "dynamic"
+        return "tensor", "static" if self.fp8 == "aligned" else self.activation_scheme
 
     def resolved_device(self) -> str:
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,6 +106,26 @@ def check_model_dir(model_path: str) -> Path:
     if not any(path.glob("*.safetensors")):
         raise RolloutEngineError(f"model directory {path} has no *.safetensors weights")
     return path
+
+
+def check_fp8_checkpoint(config: SGLangConfig) -> None:
+    """The served checkpoint's `quantization_config` must fit `config.fp8` (an FP8 mode on a
+    high-precision checkpoint, or the reverse, is refused naming what was found)."""
+    path = check_model_dir(config.model_path)
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+    layout = config.fp8_layout()
+    if layout is None:
+        if quant:
+            raise RolloutEngineError(f"{path}/config.json has a quantization_config ({quant.get('quant_method')}) "
+                                     "but the rollout fp8 mode is none; set fp8 to the checkpoint's layout")
+        return
+    if not quant or quant.get("quant_method") not in ("fp8", OUR_FP8_METHOD):
+        raise RolloutEngineError(f"rollout fp8={config.fp8} needs an FP8 checkpoint; {path}/config.json has "
+                                 f"quantization_config {quant!r} (export one with megatron-fp8rl convert export-fp8)")
+    found = ("block" if quant.get("weight_block_size") else "tensor", quant.get("activation_scheme", "dynamic"))
+    if found != layout:
+        raise RolloutEngineError(f"rollout fp8={config.fp8} (activation_scheme={config.activation_scheme}) "
+                                 f"expects a {layout[0]}/{layout[1]} FP8 checkpoint; {path} is {found[0]}/{found[1]}")
 
 
 def engine_kwargs(config: SGLangConfig) -> dict:
@@ -85,6 +149,8 @@ def engine_kwargs(config: SGLangConfig) -> dict:
         kwargs["mem_fraction_static"] = config.mem_fraction_static
     if config.deterministic:
         kwargs["enable_deterministic_inference"] = True
+    if config.fp8 != "none":
+        kwargs["quantization"] = OUR_FP8_METHOD if config.fp8_backend == "ours" else "fp8"
     kwargs.update(config.extra)
     return kwargs
 

@@ -30,6 +30,7 @@ from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, Sam
 from megatron_fp8rl.rollout.sglang_common import (
     ENGINE_ENV,
     SGLangConfig,
+    check_fp8_checkpoint,
     check_model_dir,
     engine_kwargs,
     expand_prompts,
@@ -45,6 +46,7 @@ class SGLangEngine:
     def __init__(self, config: SGLangConfig):
         self.config = config
         check_model_dir(config.model_path)
+        check_fp8_checkpoint(config)
         self.expected = ExpectedWeights.from_checkpoint(config.model_path)
         self.weight_version = config.initial_weight_version
         self._failure: str | None = None

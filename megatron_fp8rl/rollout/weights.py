@@ -1,7 +1,8 @@
 """Checking a weight update against the checkpoint the rollout engine serves, before sending it.
 
-Owns: reading a Hugging Face checkpoint's parameter names and shapes from its safetensors headers,
-and validating (name, tensor) pairs against them. SGLang 0.5.23 answers an unknown name with a
+Owns: reading a Hugging Face checkpoint's parameter names, shapes and dtypes from its safetensors
+headers, and validating (name, tensor) pairs against them (an FP8 checkpoint's weights must come as
+float8_e4m3fn, its scales and other tensors as floating point). SGLang 0.5.23 answers an unknown name with a
 KeyError in its scheduler that kills the whole engine (DESIGN.md hazard 4), so nothing unchecked
 is ever sent.
 Must not import: models, convert, data, trainer, cli.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -20,13 +21,16 @@ import torch
 from megatron_fp8rl.rollout.engine import WeightUpdateError
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
 class ExpectedWeights:
-    """The parameters a served checkpoint has: HF name -> shape."""
+    """The parameters a served checkpoint has: HF name -> shape (and safetensors dtype)."""
 
     shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str] = field(default_factory=dict)
+    """HF name -> safetensors dtype string ("F8_E4M3", "F32", ...); empty: not checked."""
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> "ExpectedWeights":
@@ -35,16 +39,26 @@ class ExpectedWeights:
         if not files:
             raise WeightUpdateError(f"no *.safetensors files in {model_dir}: cannot know the served parameter names")
         shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, str] = {}
         for path in files:
-            shapes.update(_safetensors_shapes(path))
-        return cls(shapes)
+            header = _safetensors_header(path)
+            shapes.update({name: tuple(meta["shape"]) for name, meta in header.items()})
+            dtypes.update({name: meta["dtype"] for name, meta in header.items()})
+        return cls(shapes, dtypes)
 
 
-def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def _safetensors_header(path: Path) -> dict[str, dict]:
     with path.open("rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
-    return {name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}
+    return {name: meta for name, meta in header.items() if name != "__metadata__"}
+
+
+def _allowed_dtypes(name: str, expected: ExpectedWeights) -> tuple[torch.dtype, ...]:
+    """An FP8 tensor of the served checkpoint must be replaced by FP8 of the same format (SGLang
+    would copy float values into its FP8 parameter unscaled); everything else by a float."""
+    found = expected.dtypes.get(name)
+    return (_FP8_DTYPES[found],) if found in _FP8_DTYPES else _FLOAT_DTYPES
 
 
 def validate_named_tensors(
@@ -70,11 +84,12 @@ def validate_named_tensors(
             raise WeightUpdateError(
                 f"weight update: tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}"
             )
-        if tensor.dtype not in _FLOAT_DTYPES:
+        allowed = _allowed_dtypes(name, expected)
+        if tensor.dtype not in allowed:
             raise WeightUpdateError(
-                f"weight update: tensor {name!r} has dtype {tensor.dtype}, expected one of {_FLOAT_DTYPES}"
+                f"weight update: tensor {name!r} has dtype {tensor.dtype}, expected one of {allowed}"
             )
-        if not torch.isfinite(tensor).all():
+        if not torch.isfinite(tensor.float()).all():
             raise WeightUpdateError(f"weight update: tensor {name!r} has non-finite values")
         seen.add(name)
         checked.append((name, tensor))

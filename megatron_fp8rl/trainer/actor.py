@@ -1,8 +1,10 @@
 """The Megatron actor: the policy being trained, at the run's TP/PP/DP layout.
 
 Owns: building the GPTModel from an HF checkpoint (converted once to torch_dist), per-token
-logprobs/entropy of response tokens (vocab-parallel), an optimizer step on a policy loss, and
-streaming its weights out under Hugging Face names (for rollout weight sync and the final export).
+logprobs/entropy of response tokens (vocab-parallel), an optimizer step on a policy loss,
+streaming its weights out under Hugging Face names (for rollout weight sync and the final export),
+and, for aligned FP8 rollouts, the FP8 scales it shares with the rollout engine (`aligned_scales`)
+and the frozen-scale mode its old-logprob recompute runs in (`frozen_fp8`).
 Must not import: cli.
 """
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron_fp8rl.compat.megatron_fp8_linear import fp8_layer_stats
+from megatron_fp8rl.compat.megatron_fp8_linear import (
+    fp8_layer_stats, frozen_fp8_scales, shared_fp8_scales,
+)
 from megatron_fp8rl.compat.process_env import torchrun_free_env
 from megatron_fp8rl.convert.megatron_to_hf import (
     plan_megatron_to_hf, read_tensor_metadata, read_unit, split_unit,
@@ -68,6 +72,8 @@ class MegatronActor:
         _load_weights_only(model, init_dir)
         self.model = wrap_ddp(model, distributed_optimizer=True)
         self.optimizer = build_optimizer(self.model, optim)
+        self.rollout_scales: dict | None = None
+        """Aligned FP8 rollouts: the scales the engine serves now (set by each weight sync)."""
 
     @staticmethod
     def _forward(chunk: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -131,3 +137,19 @@ class MegatronActor:
         units = plan_megatron_to_hf(self.hf_config, read_tensor_metadata(directory))
         for unit in units:
             yield from split_unit(unit, read_unit(directory, unit)).items()
+
+    def aligned_scales(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """All ranks (collective): {(global layer, linear path): (weight_scale_inv, input_scale_inv)}
+        of every FP8 linear of the whole model, fp32 scalars on CPU: the scales the next forward
+        would use (a calibrated weight's from its current values, amax-reduced over TP; inputs the
+        predicted bound). ValueError when the trainer is not FP8 or has no input bounds yet."""
+        local = shared_fp8_scales(self.model)
+        if not local and dist.get_world_size() == 1:
+            raise ValueError("aligned FP8 rollouts need an FP8 trainer (model.fp8); this model has no FP8 linears")
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return {key: value for part in gathered for key, value in part.items()}
+
+    def frozen_fp8(self, scales: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]):
+        """Context manager: this rank's FP8 linears quantize with `scales` (no state changes)."""
+        return frozen_fp8_scales(self.model, scales)

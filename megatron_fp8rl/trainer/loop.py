@@ -49,12 +49,27 @@ def check_inputs(cfg: RunConfig) -> None:
 
 
 def _start_engine(cfg: RunConfig):
+    """Rank 0: the rollout engine, serving from the first rollout on what every weight sync will
+    send: the HF checkpoint (rollout.fp8=none) or its FP8 export for rollout.fp8 (static input
+    scales calibrated on the first training prompts; trainer/rollout_fp8.py)."""
+    from transformers import AutoTokenizer
+
     from megatron_fp8rl.rollout.sglang_common import SGLangConfig
     from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
+    from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT, prepare_rollout_checkpoint
 
-    return SGLangEngine(SGLangConfig(model_path=cfg.model.hf_path, dtype=cfg.rollout.dtype,
+    model_path = cfg.model.hf_path
+    if cfg.rollout.fp8 != "none":
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)[:16]
+        prompts = [tokenizer.decode(prompt_token_ids(r, tokenizer)) for r in records]
+        model_path = prepare_rollout_checkpoint(
+            Path(cfg.model.hf_path), Path(cfg.run_dir) / ROLLOUT_CHECKPOINT, cfg.rollout.fp8,
+            cfg.rollout.activation_scheme, cfg.model.fp8, prompts)
+    return SGLangEngine(SGLangConfig(model_path=str(model_path), dtype=cfg.rollout.dtype,
                                      max_total_tokens=cfg.rollout.max_total_tokens,
-                                     random_seed=cfg.train.seed))
+                                     random_seed=cfg.train.seed, fp8=cfg.rollout.fp8,
+                                     activation_scheme=cfg.rollout.activation_scheme))
 
 
 def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> float:

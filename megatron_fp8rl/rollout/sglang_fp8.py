@@ -1,0 +1,274 @@
+"""Our FP8 quantization method inside SGLang: FP8 rollouts computed with megatron_fp8rl.fp8.
+
+Owns: `Fp8RLConfig` (SGLang `QuantizationConfig`, method name `OUR_FP8_METHOD`), its linear method
+`Fp8RLLinearMethod`, and `register()`, the `sglang.srt.plugins` entry point (setup.py) that SGLang's
+`load_plugins()` runs in its main process, scheduler and detokenizer.
+Must not import: models, convert, data, trainer, cli. Imports sglang: load it only where SGLang runs.
+
+Checkpoint layouts served (what convert/fp8_export.py writes; `quant_method: fp8`):
+- per tensor: weight E4M3 [N, K] + `weight_scale` (dequant multiplier, one per fused shard) and,
+  with `activation_scheme: static`, `input_scale` (one per shard; the max is used, as SGLang's own
+  fp8 does). Dynamic activations are quantized per token (row-wise), which no batch neighbour can
+  change (DESIGN hazard 2).
+- block: weight E4M3 + `weight_scale_inv` [ceil(n/128), ceil(K/128)] per fused shard, activations
+  in 1x128 groups per token.
+Arithmetic (DESIGN hazard 3): static per-tensor activations with a uniform weight scale (the
+aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv` then
+`fp8_matmul_nt` with the GEMM `resolve_gemm('auto')` picks (the trainer's fp8/linear.py), bias
+added in fp32, cast to the activation dtype. Other layouts dequantize the same FP8 values and run
+one fp32 matmul (what the trainer does for non-per-tensor operands).
+SGLang 0.5.23 facts this relies on: fused qkv/gate_up layers load one scale per shard through the
+parameter's own `weight_loader(param, tensor, shard_id)`; the class name must be in
+`layers.linear.WEIGHT_LOADER_V2_SUPPORTED` so the FP8 weight loads through the v2 loader; Llama's
+loader renames `weight_scale_inv` to `weight_scale` (Qwen's does not), so block scales answer to
+both names; `end_weight_update()` re-runs `process_weights_after_loading`, which therefore only
+checks and derives plain attributes, never replacing a Parameter.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.parameter import ModelWeightParameter
+from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+from megatron_fp8rl.fp8.formats import E4M3
+from megatron_fp8rl.fp8.linear import fp8_matmul_nt, resolve_gemm
+from megatron_fp8rl.fp8.quantize import (
+    ACTIVATION_BLOCK,
+    Fp8Tensor,
+    dequantize_blockwise,
+    quantize_blockwise,
+    quantize_per_row,
+    quantize_with_scale_inv,
+)
+from megatron_fp8rl.rollout.sglang_common import OUR_FP8_METHOD
+
+QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
+
+
+def _native_fp8_unusable() -> bool:
+    """SGLang's own fp8 linear needs CUDA, or Intel AMX on CPU (DESIGN.md)."""
+    from sglang.srt.utils import cpu_has_amx_support, is_cpu
+
+    return is_cpu() and not cpu_has_amx_support()
+
+
+def _is_skipped(prefix: str, ignored: list[str]) -> bool:
+    """Whether the layer `prefix` (maybe a fused qkv_proj/gate_up_proj) stays high precision."""
+    bare = prefix.removeprefix("model.")
+    names = {bare}
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if bare.endswith(fused):
+            names = {bare[: -len(fused)] + part for part in parts}
+    skipped = [any(name == i or name.startswith(i + ".") for i in ignored) for name in names]
+    if any(skipped) and not all(skipped):
+        raise ValueError(f"{OUR_FP8_METHOD}: fused layer {prefix} has some shards quantized and some not")
+    return all(skipped)
+
+
+class Fp8RLConfig(QuantizationConfig):
+    """FP8 checkpoints (per-tensor or 128x128 block weights) served by megatron_fp8rl's FP8 math."""
+
+    def __init__(self, weight_block_size: list[int] | None, activation_scheme: str,
+                 ignored_layers: list[str]):
+        super().__init__()
+        if activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"{OUR_FP8_METHOD}: activation_scheme must be dynamic or static, not {activation_scheme!r}")
+        if weight_block_size is not None:
+            if len(weight_block_size) != 2 or activation_scheme != "dynamic":
+                raise ValueError(f"{OUR_FP8_METHOD}: block scales need a 2-D weight_block_size and dynamic "
+                                 f"activations; found {weight_block_size}, {activation_scheme}")
+            weight_block_size = [int(b) for b in weight_block_size]
+        self.weight_block_size = weight_block_size
+        self.activation_scheme = activation_scheme
+        self.ignored_layers = [name.removeprefix("model.") for name in ignored_layers]
+
+    def get_name(self) -> str:
+        return OUR_FP8_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Fp8RLConfig":
+        fmt = config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"{OUR_FP8_METHOD}: only E4M3 checkpoints are served, found fmt={fmt!r}")
+        ignored = cls.get_from_keys_or(config, ["ignored_layers", "modules_to_not_convert"], None) or []
+        return cls(cls.get_from_keys_or(config, ["weight_block_size"], None),
+                   cls.get_from_keys_or(config, ["activation_scheme"], "dynamic"), list(ignored))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant) -> str | None:
+        """Claim standard `quant_method: fp8` checkpoints when asked for by name, or when nothing
+        was asked and SGLang's own fp8 cannot run here (a CPU without AMX)."""
+        if not hf_quant_cfg or hf_quant_cfg.get("quant_method") not in ("fp8", OUR_FP8_METHOD):
+            return None
+        if user_quant == OUR_FP8_METHOD or (user_quant is None and _native_fp8_unusable()):
+            return OUR_FP8_METHOD
+        return None
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        """Our linear method for quantized decoder linears; plain linears for the ones left in
+        high precision; None (unquantized) for embeddings, lm_head and everything else."""
+        if not isinstance(layer, LinearBase):
+            return None
+        if _is_skipped(prefix, self.ignored_layers):
+            return UnquantizedLinearMethod()
+        return Fp8RLLinearMethod(self, prefix)
+
+    def get_scaled_act_names(self) -> list[str]:
+        return []
+
+
+def _shard_index(shard_id, shards: int, prefix: str) -> int:
+    index = 0 if shard_id is None else QKV_SHARDS.get(shard_id, shard_id)
+    if not isinstance(index, int) or not 0 <= index < shards:
+        raise ValueError(f"{prefix}: unknown shard {shard_id!r} of a layer with {shards} shards")
+    return index
+
+
+class Fp8RLLinearMethod(LinearMethodBase):
+    """y = x @ W^T + b for one (maybe fused) linear layer whose W is stored in FP8."""
+
+    def __init__(self, config: Fp8RLConfig, prefix: str):
+        self.config, self.prefix = config, prefix
+        self.block = tuple(config.weight_block_size) if config.weight_block_size else None
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra):
+        shards = list(output_partition_sizes)
+        weight = ModelWeightParameter(
+            data=torch.empty(sum(shards), input_size_per_partition, dtype=E4M3.dtype),
+            input_dim=1, output_dim=0, weight_loader=extra.get("weight_loader"))
+        layer.register_parameter("weight", weight)
+        layer.fp8rl_shards = shards
+        if self.block is not None:
+            self._create_block_scales(layer, shards, input_size_per_partition)
+            return
+        self._register_scale(layer, "weight_scale", torch.full((len(shards),), math.nan))
+        if self.config.activation_scheme == "static":
+            self._register_scale(layer, "input_scale", torch.full((len(shards),), math.nan))
+        else:
+            layer.register_parameter("input_scale", None)
+
+    def _create_block_scales(self, layer, shards: list[int], in_features: int) -> None:
+        if getattr(layer, "tp_size", 1) > 1:
+            raise NotImplementedError(f"{self.prefix}: {OUR_FP8_METHOD} block scales with tensor "
+                                      "parallelism are not implemented; use fp8_backend='sglang'")
+        bn, bk = self.block
+        rows = [math.ceil(n / bn) for n in shards]
+        layer.fp8rl_scale_rows = rows
+        scale = self._register_scale(layer, "weight_scale_inv",
+                                     torch.full((sum(rows), math.ceil(in_features / bk)), math.nan))
+        # Llama's load_weights renames weight_scale_inv -> weight_scale; Qwen's keeps it. A second
+        # Parameter over the same storage (named_parameters drops a repeated Parameter object).
+        alias = torch.nn.Parameter(scale.data, requires_grad=False)
+        alias.weight_loader = scale.weight_loader
+        layer.register_parameter("weight_scale", alias)
+
+    def _register_scale(self, layer, name: str, data: torch.Tensor) -> torch.nn.Parameter:
+        param = torch.nn.Parameter(data.float(), requires_grad=False)
+        method = self
+
+        def load(param, loaded: torch.Tensor, shard_id=None):
+            method._load_scale(layer, name, param, loaded, shard_id)
+        param.weight_loader = load
+        layer.register_parameter(name, param)
+        return param
+
+    def _load_scale(self, layer, name: str, param, loaded: torch.Tensor, shard_id) -> None:
+        shards = layer.fp8rl_shards
+        index = _shard_index(shard_id, len(shards), self.prefix)
+        if self.block is None:
+            if loaded.numel() != 1:
+                raise ValueError(f"{self.prefix}.{name}: expected one per-tensor scale, found shape {tuple(loaded.shape)}")
+            param.data[index] = loaded.float().reshape(())
+            return
+        rows = layer.fp8rl_scale_rows
+        start = sum(rows[:index])
+        want = (rows[index], param.shape[1])
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"{self.prefix}.{name} shard {shard_id!r}: expected block scales of shape {want}, "
+                             f"found {tuple(loaded.shape)}")
+        param.data[start:start + rows[index]] = loaded.float()
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Check every scale was loaded and derive the per-output-row weight multipliers; runs
+        after the first load and after every weight update (idempotent, Parameters untouched)."""
+        names = ["weight_scale_inv"] if self.block else ["weight_scale"]
+        if getattr(layer, "input_scale", None) is not None:
+            names.append("input_scale")
+        for name in names:
+            if torch.isnan(getattr(layer, name)).any():
+                raise ValueError(f"{self.prefix}.{name} was not loaded (check the FP8 checkpoint names)")
+        if self.block is None:
+            scales = layer.weight_scale.detach()
+            layer.fp8rl_uniform_weight_scale = bool((scales == scales[0]).all())
+            widths = torch.tensor(layer.fp8rl_shards, device=scales.device)
+            layer.fp8rl_row_scale_inv = scales.repeat_interleave(widths)[:, None].clone()
+
+    def _weight(self, layer) -> Fp8Tensor:
+        if self.block is None:
+            if layer.fp8rl_uniform_weight_scale:
+                return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor")
+            return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row")
+        pieces, row, scale_row = [], 0, 0
+        for width, rows in zip(layer.fp8rl_shards, layer.fp8rl_scale_rows):
+            pieces.append(dequantize_blockwise(layer.weight[row:row + width],
+                                               layer.weight_scale_inv[scale_row:scale_row + rows], self.block))
+            row, scale_row = row + width, scale_row + rows
+        return _Dequantized(torch.cat(pieces))
+
+    def _input(self, layer, x2d: torch.Tensor):
+        if self.block is not None:
+            return quantize_blockwise(x2d, E4M3, ACTIVATION_BLOCK)
+        if layer.input_scale is not None:
+            return quantize_with_scale_inv(x2d, layer.input_scale.max(), E4M3)
+        return quantize_per_row(x2d, E4M3)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        x_q, w_q = self._input(layer, x2d), self._weight(layer)
+        if isinstance(w_q, _Dequantized):
+            y = x_q.dequantize() @ w_q.values.t()
+        else:
+            y = fp8_matmul_nt(x_q, w_q, resolve_gemm("auto", x.device))
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], layer.weight.shape[0])
+
+
+class _Dequantized:
+    """A block-scaled weight already dequantized to fp32 (the values the FP8 data stand for)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point: make `OUR_FP8_METHOD` a quantization method SGLang
+    knows in this process (idempotent). Registering only in a parent process is not enough: the
+    scheduler is spawned and runs `load_plugins()` itself (DESIGN.md)."""
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    from sglang.srt.layers import linear, quantization
+
+    quantization.QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig
+    quantization.CPU_QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig
+    if Fp8RLLinearMethod.__name__ not in linear.WEIGHT_LOADER_V2_SUPPORTED:
+        linear.WEIGHT_LOADER_V2_SUPPORTED.append(Fp8RLLinearMethod.__name__)
+    if OUR_FP8_METHOD not in QUANTIZATION_CHOICES:
+        QUANTIZATION_CHOICES.append(OUR_FP8_METHOD)

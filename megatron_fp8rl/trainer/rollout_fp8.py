@@ -1,0 +1,167 @@
+"""Rollout FP8 on the trainer side: the FP8 checkpoint the rollout engine starts from, the tensors
+each weight sync sends, and the scales the aligned old-logprob recompute freezes.
+
+Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
+- blockwise / per_tensor: the trainer's high-precision weights quantized as the exporter does
+  (convert/fp8_export.py: 128x128 blocks, or one scale per HF tensor; per_tensor static keeps the
+  input scales calibrated at start, since a high-precision trainer has no activation bounds).
+- aligned: the trainer's own FP8 quantization. Each Megatron FP8 linear has one weight and one
+  input scale (shared by its fused q/k/v or gate/up shards and, through the amax reduction, by its
+  TP shards); the served checkpoint holds exactly those as `weight_scale` / `input_scale` of every
+  HF shard, and the trainer recomputes old logprobs with the same multipliers frozen
+  (`compat.megatron_fp8_linear.frozen_fp8_scales`). At start, before the trainer has recorded any
+  activation bound, the scales come from the calibrated recipe's rules applied to the HF weights
+  and to activations calibrated on prompts; the trainer reads them back from the served checkpoint.
+Scales are keyed by (global layer number, Megatron linear path), values are fp32 dequant
+multipliers (weight_scale_inv, input_scale_inv).
+Must not import: cli, trainer.loop, trainer.rl_step.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds
+from megatron_fp8rl.convert.fp8_export import (
+    Fp8ExportOptions,
+    export_fp8,
+    export_tensor,
+    quantized_module,
+)
+from megatron_fp8rl.convert.safetensors_io import CheckpointError
+from megatron_fp8rl.fp8.formats import E4M3
+from megatron_fp8rl.fp8.quantize import finite_amax, quantize_with_scale_inv
+from megatron_fp8rl.fp8.recipe import recipe_by_name
+
+ROLLOUT_CHECKPOINT = "rollout_fp8"
+"""Folder (under the run directory) of the FP8 checkpoint the rollout engine starts from."""
+HF_MODULES = {
+    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attention.linear_proj": ("self_attn.o_proj",),
+    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.linear_fc2": ("mlp.down_proj",),
+}
+"""Megatron linear path -> the HF linears it is fused from (convert/tables.py layouts)."""
+ALIGNED_RECIPES = ("calibrated", "te_delayed", "megatron_delayed")
+"""Trainer recipes with one per-tensor weight and input scale to share with the rollout."""
+
+Scales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def check_rollout_fp8(rollout_fp8: str, trainer_fp8: str) -> None:
+    """aligned needs a per-tensor stateful trainer recipe; ValueError naming the keys."""
+    if rollout_fp8 == "aligned" and trainer_fp8 not in ALIGNED_RECIPES:
+        raise ValueError(f"rollout.fp8=aligned shares the trainer's FP8 scales: model.fp8 must be one of "
+                         f"{ALIGNED_RECIPES}, found {trainer_fp8!r}")
+
+
+def export_options(rollout_fp8: str, activation_scheme: str, bounds=None) -> Fp8ExportOptions:
+    """The exporter's options for a rollout FP8 mode (aligned: per-tensor, static)."""
+    if rollout_fp8 == "blockwise":
+        return Fp8ExportOptions(scheme="block")
+    static = rollout_fp8 == "aligned" or activation_scheme == "static"
+    return Fp8ExportOptions(scheme="tensor", activation_scheme="static" if static else "dynamic",
+                            bounds=bounds or {})
+
+
+def hf_module_names(layer: int, path: str) -> list[str]:
+    return [f"model.layers.{layer}.{name}" for name in HF_MODULES[path]]
+
+
+def _megatron_linear(module: str) -> tuple[int, str]:
+    """'model.layers.3.self_attn.k_proj' -> (3, 'self_attention.linear_qkv')."""
+    _, _, layer, rest = module.split(".", 3)
+    for path, names in HF_MODULES.items():
+        if rest in names:
+            return int(layer), path
+    raise KeyError(f"{module} is not a decoder linear of the HF layout ({sorted(HF_MODULES)})")
+
+
+def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, activation_scheme: str,
+                               trainer_fp8: str, calibration_prompts: list[str]) -> Path:
+    """The checkpoint the rollout engine starts from: `hf_path` itself for rollout.fp8=none,
+    else an FP8 export of it at `output` (static input bounds calibrated on the prompts)."""
+    if rollout_fp8 == "none":
+        return Path(hf_path)
+    check_rollout_fp8(rollout_fp8, trainer_fp8)
+    options = export_options(rollout_fp8, activation_scheme)
+    bounds = None
+    if options.activation_scheme == "static":
+        bounds = calibrate_input_bounds(Path(hf_path), calibration_prompts)
+        if rollout_fp8 == "aligned":
+            bounds = _recipe_bounds(Path(hf_path), bounds, recipe_by_name(trainer_fp8).margin)
+        options = export_options(rollout_fp8, activation_scheme, bounds)
+    export_fp8(Path(hf_path), Path(output), options, overwrite=True, progress=False)
+    return Path(output)
+
+
+def _recipe_bounds(hf_path: Path, input_bounds: dict, margin: int) -> dict[str, dict[str, float]]:
+    """Per HF linear: the bounds the trainer's recipe would pick for its fused Megatron linear
+    (max over the fused shards, times 2**margin, so scale = fp8_max / bound as the exporter
+    computes equals the recipe's (fp8_max / c) / 2**margin)."""
+    weights = {}
+    for path in sorted(Path(hf_path).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                if name.endswith("_proj.weight") and name.startswith("model.layers."):
+                    weights[name[: -len(".weight")]] = float(finite_amax(handle.get_tensor(name)))
+    groups: dict[tuple[int, str], list[str]] = {}
+    for module in weights:
+        groups.setdefault(_megatron_linear(module), []).append(module)
+    bounds = {}
+    for members in groups.values():
+        missing = [m for m in members if m not in input_bounds]
+        if missing:
+            raise CheckpointError(f"no calibrated input bound for {missing}")
+        weight = max(weights[m] for m in members) * 2.0**margin
+        inputs = max(input_bounds[m]["input"] for m in members) * 2.0**margin
+        bounds.update({m: {"weight": weight, "input": inputs} for m in members})
+    return bounds
+
+
+def served_scales(fp8_dir: Path) -> Scales:
+    """The (weight_scale_inv, input_scale_inv) the served aligned checkpoint holds per Megatron
+    linear; CheckpointError when the shards of one fused linear disagree (not an aligned export)."""
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for path in sorted(Path(fp8_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                for kind in ("weight_scale", "input_scale"):
+                    if name.endswith("." + kind):
+                        found.setdefault(name[: -len(kind) - 1], {})[kind] = handle.get_tensor(name).float()
+    scales: Scales = {}
+    for module, entry in sorted(found.items()):
+        key = _megatron_linear(module)
+        pair = (entry["weight_scale"].reshape(()), entry["input_scale"].reshape(()))
+        if key in scales and not all(torch.equal(a, b) for a, b in zip(scales[key], pair)):
+            raise CheckpointError(f"{fp8_dir}: the fused shards of layer {key[0]} {key[1]} have different "
+                                  f"scales ({module}): not an aligned FP8 checkpoint")
+        scales[key] = pair
+    if not scales:
+        raise CheckpointError(f"{fp8_dir}: no weight_scale/input_scale tensors (not a per-tensor static FP8 checkpoint)")
+    return scales
+
+
+def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, rollout_fp8: str,
+                    scales: Scales | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors a weight sync sends for rollout mode `rollout_fp8`: high-precision as is
+    (none), quantized like the exporter (blockwise, per_tensor: weight and weight scale; a static
+    checkpoint keeps its input scales), or quantized with the trainer's `scales` (aligned: weight,
+    weight_scale and input_scale of every HF linear)."""
+    if rollout_fp8 == "none":
+        yield from named
+        return
+    options = export_options(rollout_fp8, "dynamic")
+    for name, tensor in named:
+        module = quantized_module(name, num_layers, options)
+        if module is None or rollout_fp8 != "aligned":
+            yield from export_tensor(name, tensor, num_layers, options).items()
+            continue
+        weight_inv, input_inv = scales[_megatron_linear(module)]
+        quantized = quantize_with_scale_inv(tensor, weight_inv, E4M3)
+        yield name, quantized.data
+        yield f"{module}.weight_scale", weight_inv.reshape(())
+        yield f"{module}.input_scale", input_inv.reshape(())
