@@ -18,6 +18,7 @@ ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
 ROLLOUT_MODES = ("colocated", "disaggregated")
 WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
 ACTIVATION_SCHEMES = ("dynamic", "static")
+FP8_BACKENDS = ("ours", "sglang")
 TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise")
 
 
@@ -68,6 +69,10 @@ class RolloutConfig:
     trainer and rollout quantize bit-identically; needs an FP8 trainer recipe in model.fp8)."""
     activation_scheme: str = "dynamic"
     """per_tensor activations: dynamic (per-token scales) or static (calibrated input_scale)."""
+    fp8_backend: str = "ours"
+    """Which SGLang quantization method serves FP8 rollouts (one of FP8_BACKENDS): ours
+    (megatron_fp8rl's, the trainer's FP8 arithmetic; runs on CPU; required by aligned) or sglang
+    (SGLang's native fp8 kernels: GPU, or CPU with AMX; faster, not bit-aligned)."""
     mode: str = "colocated"
     """colocated (SGLang beside trainer rank 0, its memory released while training) or
     disaggregated (an SGLang server on other devices or nodes)."""
@@ -86,6 +91,11 @@ class RolloutConfig:
         _check(self.fp8 in ROLLOUT_FP8, "rollout.fp8", f"{self.fp8!r} is not one of {ROLLOUT_FP8}")
         _check(self.activation_scheme in ACTIVATION_SCHEMES, "rollout.activation_scheme",
                f"{self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
+        _check(self.fp8_backend in FP8_BACKENDS, "rollout.fp8_backend",
+               f"{self.fp8_backend!r} is not one of {FP8_BACKENDS}")
+        _check(not (self.fp8 == "aligned" and self.fp8_backend != "ours"), "rollout.fp8_backend",
+               "rollout.fp8=aligned needs fp8_backend=ours (SGLang's native kernels do not compute "
+               "the trainer's FP8 arithmetic)")
         _check(self.mode in ROLLOUT_MODES, "rollout.mode", f"{self.mode!r} is not one of {ROLLOUT_MODES}")
         _check(self.weight_transfer in WEIGHT_TRANSFERS, "rollout.weight_transfer",
                f"{self.weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")

@@ -69,7 +69,8 @@ def _start_engine(cfg: RunConfig):
     return SGLangEngine(SGLangConfig(model_path=str(model_path), dtype=cfg.rollout.dtype,
                                      max_total_tokens=cfg.rollout.max_total_tokens,
                                      random_seed=cfg.train.seed, fp8=cfg.rollout.fp8,
-                                     activation_scheme=cfg.rollout.activation_scheme))
+                                     activation_scheme=cfg.rollout.activation_scheme,
+                                     fp8_backend=cfg.rollout.fp8_backend))
 
 
 def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> float:
