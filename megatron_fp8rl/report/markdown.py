@@ -26,6 +26,9 @@ FIGURE_NOTES = {
              "averaged over the step's micro-batches). Right: the PPO ratio π_new/π_old.",
     "clip_fractions": "Fractions of response tokens silenced by the PPO clip (high/low) and by "
                       "mismatch correction (TIS cap, MIS band).",
+    "clip_attribution": "Fractions of response tokens the PPO clip would silence because of the "
+                        "train/rollout noise alone, because of the policy change alone, or both "
+                        "(logged by the noise-aware objective).",
 }
 
 
@@ -144,7 +147,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
             continue
         lines += [f"## {heading}", "", *_table(runs, figures, columns), ""]
     lines += ["## Plots", ""]
-    for name in ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions"):
+    for name in ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "clip_attribution"):
         if name in plots:
             heading = LINE_FIGURES[name][0] if name in LINE_FIGURES else "Importance ratios"
             lines += [f"### {heading}", "", FIGURE_NOTES[name], "", f"![{name}]({plots[name].name})", ""]

@@ -51,12 +51,13 @@ def _scalars(run_dir):
 @pytest.mark.multiprocess
 def test_study_writes_every_plot_and_the_report(study):
     out = study / "report"
-    expected = {*FIGURES, "fp8_fp8trainer"}
-    assert {p.stem for p in out.glob("*.png")} == expected  # no heatmap for the float32 trainer
-    for name in expected:
+    written = {p.stem for p in out.glob("*.png")}
+    assert {*FIGURES, "fp8_fp8trainer"} <= written  # (more when the objective logs noise/ tags)
+    assert "fp8_bf16_bf16_none" not in written  # no heatmap for the float32 trainer
+    for name in written:
         assert_png(out / f"{name}.png")
     text = (out / "report.md").read_text()
-    assert set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)) == {f"{n}.png" for n in expected}
+    assert set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)) == {f"{n}.png" for n in written}
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     assert "calibrated" in rows["fp8trainer"] and "none" in rows["bf16_bf16_none"]
     assert set(json.loads((study / "timings.json").read_text())) == set(SETTINGS)

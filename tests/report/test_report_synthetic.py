@@ -44,6 +44,8 @@ def write_fake_run(run_dir: Path, *, steps: int, fp8: bool, mismatch: float) -> 
                     scalars[f"fp8/{layer}.{role}/underflow_fraction"] = 0.01
                     scalars[f"fp8/{layer}.{role}/bound"] = 3.0
             scalars["fp8/input/saturated_fraction_mean"] = 0.0042
+            scalars.update({"noise/clip_noise_only_frac": 0.05, "noise/clip_policy_only_frac": 0.01,
+                            "noise/clip_both_frac": 0.002})
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, step)
     writer.add_scalar("eval/accuracy", 0.3, steps)
@@ -66,7 +68,7 @@ def two_runs(tmp_path):
 def test_every_plot_and_the_markdown(two_runs, tmp_path):
     out = tmp_path / "report"
     report = write_report(list(two_runs), out)
-    expected = {"reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "fp8_fp8"}
+    expected = {"reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "clip_attribution", "fp8_fp8"}
     pngs = {p.stem for p in out.glob("*.png")}
     assert pngs == expected  # no heatmap for the run without an FP8 trainer
     for name in expected:
