@@ -2,22 +2,29 @@
 
 A synthetic checkpoint in Qwen3 layout (random BF16, 20 layers of hidden 2048, untied 32k
 vocabulary: ~2.2 GB in 1 GB safetensors shards) is generated once and cached (default
-~/.cache/megatron_fp8rl/bench_convert). Each run then times, alternating, ROUNDS times each (best of each kept; shared machines are noisy):
-  baseline: `cp -r` of the checkpoint folder (page cache warm for both);
+~/.cache/megatron_fp8rl/bench_convert). Each run then times, alternating, ROUNDS times each (best
+of each kept; shared machines are noisy):
+  baseline: `cp -r` of the checkpoint folder (coreutils cp: copy_file_range, page cache to page
+  cache inside the kernel);
   conversion: a child process that builds the meta model and runs convert_hf_to_megatron; its
   conversion time is measured inside the child (interpreter and Megatron imports excluded, also
-  reported end to end), its peak RSS from rusage.
+  reported end to end), its peak RSS from rusage;
+  with --baseline-repo DIR, also the conversion of another checkout (e.g. `git worktree add
+  /tmp/convert_old <commit>`), timed in the same rounds, for a before/after in the same conditions.
+Fairness: the source is read once before timing, so every run reads it from the page cache; before
+each timed run the previous output is deleted and `sync` is run (untimed), so no run pays for
+another's writeback; outputs are not synced (neither cp nor the conversion fsyncs).
 Prints the throughput ratio (cp time / conversion time; target >= 0.5) and peak RSS against
 2 GB + 3 x the largest tensor (the target). Needs ~7 GB of free disk.
 
-    python bench/convert.py [--cache DIR] [--workdir DIR] [--rounds N]
+    python bench/convert.py [--cache DIR] [--workdir DIR] [--rounds N] [--threads N]
+                            [--baseline-repo DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -80,10 +87,11 @@ def generate(directory: Path) -> None:
     (directory / "COMPLETE").write_text("ok")
 
 
-def _timed(cmd: list[str]) -> tuple[float, int, str]:
-    """(seconds, peak RSS in bytes, stdout) of one child command."""
+def _timed(cmd: list[str], repo: Path = REPO) -> tuple[float, int, str]:
+    """(seconds, peak RSS in bytes, stdout) of one child command, run after an untimed sync."""
+    os.sync()
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    proc = subprocess.Popen(cmd, cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)),
                             stdout=subprocess.PIPE, text=True)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -107,12 +115,43 @@ def child(source: Path, output: Path, threads: int) -> None:
     shutdown_distributed()
 
 
+class _Conversions:
+    """Times of one checkout's conversion over the rounds."""
+
+    def __init__(self, repo: Path, label: str):
+        self.repo, self.label = repo, label
+        self.seconds: list[float] = []
+        self.end_to_end: list[float] = []
+        self.peak_rss = 0
+
+    def run(self, source: Path, output: Path, threads: int) -> None:
+        script = self.repo / "bench" / "convert.py"
+        seconds, rss, out = _timed([sys.executable, str(script), "--child", str(source), str(output),
+                                    "--threads", str(threads)], self.repo)
+        shutil.rmtree(output)
+        self.seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+        self.end_to_end.append(seconds)
+        self.peak_rss = max(self.peak_rss, rss)
+
+    def report(self, total: int, cp_seconds: float, budget: int) -> None:
+        gb, best = 2**30, min(self.seconds)
+        print(f"{self.label}: {best:.2f} s  ({total / gb / best:.2f} GiB/s); end to end with "
+              f"interpreter and Megatron start-up {min(self.end_to_end):.1f} s; runs "
+              f"{[round(t, 2) for t in self.seconds]}")
+        print(f"  throughput ratio conversion/cp: {cp_seconds / best:.2f}  (target >= 0.5); "
+              f"end to end {cp_seconds / min(self.end_to_end):.2f}")
+        print(f"  peak RSS: {self.peak_rss / gb:.2f} GiB  (target <= 2 GiB + 3 x largest = "
+              f"{budget / gb:.2f} GiB)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache/megatron_fp8rl/bench_convert")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="conversion writer threads")
+    parser.add_argument("--baseline-repo", type=Path, default=None,
+                        help="another checkout whose conversion is timed in the same rounds")
     parser.add_argument("--child", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -125,32 +164,26 @@ def main() -> None:
     total = sum(p.stat().st_size for p in source.glob("*.safetensors"))
     largest = max(torch.Size(s).numel() * 2 for _, s in qwen3_tensors(CONFIG))
     workdir = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_convert_"))
-    cp_times, convert_times, end_to_end, peak_rss = [], [], [], 0
+    runs = [_Conversions(REPO, "conversion")]
+    if args.baseline_repo:
+        runs.append(_Conversions(args.baseline_repo.resolve(), f"conversion of {args.baseline_repo}"))
+    cp_times = []
     try:
         subprocess.run(["cat", *map(str, source.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)
         for _ in range(args.rounds):
             cp_times.append(_timed(["cp", "-r", str(source), str(workdir / "copy")])[0])
             shutil.rmtree(workdir / "copy")
-            seconds, rss, out = _timed([sys.executable, __file__, "--child", str(source), str(workdir / "mcore"),
-                                      "--threads", str(args.threads)])
-            shutil.rmtree(workdir / "mcore")
-            convert_times.append(json.loads(out.strip().splitlines()[-1])["seconds"])
-            end_to_end.append(seconds)
-            peak_rss = max(peak_rss, rss)
+            for conversions in runs:
+                conversions.run(source, workdir / "mcore", args.threads)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    cp_seconds, convert_seconds = min(cp_times), min(convert_times)
-    budget = 2 * 2**30 + 3 * largest
-    gb = 2**30
-    print(f"checkpoint: {total / gb:.2f} GiB, largest tensor {largest / 2**20:.0f} MiB")
-    print(f"cp:         {cp_seconds:.1f} s  ({total / gb / cp_seconds:.2f} GiB/s)")
-    print(f"conversion: {convert_seconds:.1f} s  ({total / gb / convert_seconds:.2f} GiB/s); "
-          f"end to end with interpreter and Megatron start-up {min(end_to_end):.1f} s")
-    print(f"cp runs {[round(t, 1) for t in cp_times]}, conversion runs "
-          f"{[round(t, 1) for t in convert_times]} (best of each used)")
-    print(f"throughput ratio conversion/cp: {cp_seconds / convert_seconds:.2f}  (target >= 0.5); "
-          f"end to end {cp_seconds / min(end_to_end):.2f}")
-    print(f"peak RSS: {peak_rss / gb:.2f} GiB  (target <= 2 GiB + 3 x largest = {budget / gb:.2f} GiB)")
+    cp_seconds = min(cp_times)
+    print(f"checkpoint: {total / 2**30:.2f} GiB, largest tensor {largest / 2**20:.0f} MiB; load "
+          f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"cp: {cp_seconds:.2f} s  ({total / 2**30 / cp_seconds:.2f} GiB/s); runs "
+          f"{[round(t, 2) for t in cp_times]} (best of each used)")
+    for conversions in runs:
+        conversions.report(total, cp_seconds, 2 * 2**30 + 3 * largest)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,18 @@
 
 Owns: planning (which HF row ranges make each Megatron checkpoint chunk; missing, unexpected and
 mis-shaped tensors are reported before anything is written) and writing through
-torch.distributed.checkpoint (DCP) with a planner that materializes each chunk only when the
-writer asks for it, so peak memory is about one chunk plus its HF sources, not the model.
-One caveat of torch 2.13's DCP FileSystemWriter: it keeps the last tensor written under each key
-until its file is closed (filesystem.py, `tensor_dict[fqn] = tensor`), so the resident set also
-holds one layer slice per stacked key plus the embedding and output layer (measured: 0.95 GiB
-peak for a 2.2 GB checkpoint whose largest tensor is 128 MiB).
+torch.distributed.checkpoint (DCP) with a storage writer of our own (`_CopyingWriter`, a
+FileSystemWriter whose write_data we replace): a chunk kept in its HF dtype is never in memory;
+its torch.save record is written with a hole for the storage bytes, which copy_file_range fills
+from the HF row ranges (QKV interleave and gate/up fuse are just offsets), the kernel path `cp`
+takes. A chunk cast to another dtype is materialized alone, cast and torch.saved. Peak memory is
+one cast chunk, not the model (measured on bench/convert.py's 2.2 GB checkpoint, largest tensor
+128 MiB: 0.53 GiB peak RSS for the whole process, imports included; DCP's own FileSystemWriter
+kept the last tensor of every key until its file closed: 0.94 GiB).
+Where the time goes (bench/convert.py, 2 CPUs): copy_file_range is ~75% of the conversion, the
+rest is building the meta model, planning, 183 torch.save framings and DCP's metadata; DCP's
+FileSystemWriter instead read each chunk into memory (30%), and torch.save copied it into the
+file (50%) after a CRC32 over it (20%), ~4x the time of `cp`.
 
 The target layout comes from the caller: the `sharded_state_dict()` of the Megatron GPTModel built
 on the meta device (TP=1, PP=1; megatron_fp8rl.models.build_model_from_hf(..., device="meta")).
@@ -21,7 +27,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -39,16 +48,23 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    _split_by_size_and_type,
+    _StorageInfo,
+)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 from tqdm import tqdm
 
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
-from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint
+from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint, copy_bytes
 from megatron_fp8rl.convert.tables import (
     IGNORED_HF_SUFFIXES,
     LAYER_PREFIX,
@@ -254,14 +270,105 @@ def unwrap_dcp_errors() -> Iterator[None]:
         raise
 
 
+class _HoleRecorder:
+    """A file wrapper for torch.save under skip_data: records where each skipped storage lies."""
+
+    def __init__(self, file):
+        self.file, self.holes = file, []
+
+    def write(self, data) -> int:
+        return self.file.write(data)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_CUR:  # how torch.save skips a storage's bytes (skip_data)
+            self.holes.append((self.file.tell(), offset))
+        return self.file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+class _CopyingWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter, but a chunk stored in its HF dtype is copied file to file.
+
+    Each chunk is still one torch.save record in a .distcp file (what DCP and Megatron's
+    torch_dist loader read), written the way DCP writes it (files split over `thread_count` by
+    DCP's own size balancing, one thread per file). For a chunk whose dtype is the HF one, the
+    record is written by torch.save under skip_data, which leaves a hole for the storage bytes,
+    and the hole is filled from the HF row ranges with copy_file_range, so the bytes never pass
+    through user space (the same kernel path as `cp`). The only differences from a plain
+    torch.save are the zip CRC32 of that storage record (zero, as torch.save writes with
+    set_crc32_options(False); torch.load does not check it) and the serialization id torch.save
+    hashes from the CRCs. Chunks cast to another dtype are read, cast and torch.saved as DCP
+    would. tests/convert/test_copy_writer.py compares each record with torch.save's.
+    """
+
+    def __init__(self, directory: Path, plan: ConversionPlan, checkpoint: HFCheckpoint,
+                 progress: tqdm, threads: int):
+        super().__init__(directory, thread_count=threads, sync_files=False)
+        self.conversion, self.checkpoint, self.progress = plan, checkpoint, progress
+
+    def write_data(self, plan: SavePlan, planner: _LazySavePlanner) -> Future:
+        jobs = [(f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}", bucket, planner)
+                for i, bucket in enumerate(_split_by_size_and_type(self.thread_count, plan.items))]
+        stop = threading.Event()  # set when one file fails (or Ctrl-C): the others stop early
+        with ThreadPoolExecutor(max(len(jobs) - 1, 1)) as pool:
+            others = [pool.submit(self._write_file, *job, stop) for job in jobs[1:]]
+            try:
+                results = [self._write_file(*jobs[0], stop)] + [f.result() for f in others]
+            except BaseException:
+                stop.set()
+                raise
+        future: Future = Future()
+        future.set_result([result for file_results in results for result in file_results])
+        return future
+
+    def _write_file(self, name: str, items: list[WriteItem], planner,
+                    stop: threading.Event) -> list[WriteResult]:
+        results = []
+        with open(Path(self.path) / name, "wb") as stream:
+            for item in items:
+                if stop.is_set():
+                    raise RuntimeError(f"{name}: stopped, the conversion failed elsewhere")
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(planner.resolve_data(item).getbuffer())
+                else:
+                    task = self.conversion.tasks[(item.index.fqn, tuple(item.index.offset))]
+                    if task.dtype == self.checkpoint.entries[task.sources[0][0]].dtype:
+                        self._copy_chunk(task, stream)
+                    else:
+                        torch.save(planner.resolve_data(item), stream)
+                length = stream.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+        return results
+
+    def _copy_chunk(self, task: ChunkTask, stream) -> None:
+        recorder = _HoleRecorder(stream)
+        with torch.serialization.skip_data():
+            torch.save(torch.empty(task.shape, dtype=task.dtype), recorder)  # never touched
+        if len(recorder.holes) != 1 or recorder.holes[0][1] != task.nbytes:
+            raise RuntimeError(f"{task.key}: torch.save under skip_data left holes "
+                               f"{recorder.holes}, expected one of {task.nbytes} bytes")
+        start, row_bytes = recorder.holes[0][0], task.nbytes // task.rows
+        stream.flush()
+        for name, hf_row, count, chunk_row in task.sources:
+            path, offset, nbytes = self.checkpoint.row_bytes(name, hf_row, hf_row + count)
+            copy_bytes(path, offset, nbytes, stream.fileno(), start + chunk_row * row_bytes)
+        self.progress.update(task.nbytes)
+
+
 def write_megatron_checkpoint(plan: ConversionPlan, checkpoint: HFCheckpoint, directory: Path,
                               progress: bool = True, threads: int = 1) -> None:
     """Write `plan` as a torch_dist checkpoint into the existing folder `directory`."""
     total = sum(task.nbytes for task in plan.tasks.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron",
               disable=not progress) as bar, unwrap_dcp_errors():
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(directory, thread_count=threads,
-                                                         sync_files=False),
+        dcp.save({}, storage_writer=_CopyingWriter(directory, plan, checkpoint, bar, threads),
                  planner=_LazySavePlanner(plan, checkpoint, bar), no_dist=True)
     torch.save(plan.common, directory / COMMON_FILE)
     save_config(CheckpointingConfig("torch_dist", 1), str(directory))

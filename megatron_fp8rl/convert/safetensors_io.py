@@ -2,8 +2,9 @@
 
 Owns: parsing and validating safetensors headers, an index of an HF checkpoint folder
 (`HFCheckpoint`), reading row ranges straight into a caller's buffer with plain file reads (no
-mmap, so resident memory stays bounded by the tensors in flight), and `SafetensorsWriter`, which
-writes the header first and then tensors in any order.
+mmap, so resident memory stays bounded by the tensors in flight), copying byte ranges file to file
+inside the kernel (`copy_bytes`), and `SafetensorsWriter`, which writes the header first and then
+tensors in any order.
 Format: 8-byte little-endian header length N, N bytes of JSON
 {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the data; offsets
 are relative to the data start and tile it without gaps.
@@ -11,6 +12,7 @@ Must not import: anything of ours above L0.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -139,17 +141,24 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.directory}: no *.safetensors files")
         return files
 
+    def row_bytes(self, name: str, start: int, stop: int) -> tuple[Path, int, int]:
+        """(file, absolute byte offset, byte count) of rows [start, stop) of tensor `name`."""
+        entry = self.entries[name]
+        if not entry.shape:
+            return entry.path, entry.offset, entry.nbytes
+        row = entry.nbytes // max(entry.shape[0], 1)
+        return entry.path, entry.offset + start * row, (stop - start) * row
+
     def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Copy rows [start, stop) of tensor `name` (dim 0) into the contiguous tensor `out`."""
         entry = self.entries[name]
-        row_bytes = entry.nbytes // max(entry.shape[0], 1) if entry.shape else entry.nbytes
-        want = (stop - start) * row_bytes if entry.shape else entry.nbytes
-        if out.dtype != entry.dtype or out.nbytes != want or not out.is_contiguous():
+        path, offset, nbytes = self.row_bytes(name, start, stop)
+        if out.dtype != entry.dtype or out.nbytes != nbytes or not out.is_contiguous():
             raise CheckpointError(
                 f"tensor {name}: cannot read rows [{start}, {stop}) of {entry.shape} "
                 f"{entry.dtype} into {tuple(out.shape)} {out.dtype}"
             )
-        read_exact(entry.path, entry.offset + start * row_bytes, out)
+        read_exact(path, offset, out)
 
 
 def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
@@ -160,6 +169,37 @@ def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
         done = 0
         while done < len(view):
             got = f.readinto(view[done:])
+            if not got:
+                raise _corrupt(Path(path), f"unexpected end of file at byte {offset + done}")
+            done += got
+
+
+_COPY_FALLBACK_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM}
+_COPY_BLOCK = 16 * 2**20
+
+
+def copy_bytes(path: Path, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
+    """Copy `nbytes` of `path` at `offset` to the file `out_fd` at `out_offset`, inside the kernel.
+
+    Uses copy_file_range (what `cp` does: page cache to page cache, no user-space copy); where the
+    kernel or file system refuses it, falls back to pread/pwrite in 16 MiB blocks. The position of
+    `out_fd` is left unchanged.
+    """
+    with open(path, "rb", buffering=0) as f:
+        done, fast = 0, hasattr(os, "copy_file_range")
+        while done < nbytes:
+            want = nbytes - done
+            if fast:
+                try:
+                    got = os.copy_file_range(f.fileno(), out_fd, want, offset + done, out_offset + done)
+                except OSError as exc:
+                    if exc.errno not in _COPY_FALLBACK_ERRNOS:
+                        raise
+                    fast = False
+                    continue
+            else:
+                block = os.pread(f.fileno(), min(want, _COPY_BLOCK), offset + done)
+                got = len(block) and os.pwrite(out_fd, block, out_offset + done)
             if not got:
                 raise _corrupt(Path(path), f"unexpected end of file at byte {offset + done}")
             done += got

@@ -118,11 +118,18 @@ def _interrupt_after(calls: int, function):
     return wrapper
 
 
-def test_interrupted_conversion_leaves_no_output(qwen2, tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_interrupted_conversion_leaves_no_output(qwen2, tmp_path, monkeypatch, threads):
     hf_dir, target, mcore = qwen2
+    # chunks kept in the HF dtype are copied file to file; cast ones go through read_chunk
+    monkeypatch.setattr(hf_to_megatron, "copy_bytes", _interrupt_after(3, hf_to_megatron.copy_bytes))
+    with pytest.raises(KeyboardInterrupt):
+        convert_hf_to_megatron(hf_dir, tmp_path / "mcore", target(), progress=False, threads=threads)
+    _assert_no_output(tmp_path / "mcore")
     monkeypatch.setattr(hf_to_megatron, "read_chunk", _interrupt_after(3, hf_to_megatron.read_chunk))
     with pytest.raises(KeyboardInterrupt):
-        convert_hf_to_megatron(hf_dir, tmp_path / "mcore", target(), progress=False)
+        convert_hf_to_megatron(hf_dir, tmp_path / "mcore", target(), progress=False,
+                               dtype=torch.float32, threads=threads)
     _assert_no_output(tmp_path / "mcore")
     monkeypatch.setattr(megatron_to_hf, "read_unit", _interrupt_after(3, megatron_to_hf.read_unit))
     with pytest.raises(KeyboardInterrupt):

@@ -47,3 +47,42 @@ def test_writer_refuses_undeclared_and_unwritten(tmp_path):
         writer.write("a", torch.zeros(3))
     with pytest.raises(CheckpointError, match=r"never written: \['a'\]"):
         writer.close()
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_copy_bytes_places_row_ranges_like_safetensors(tmp_path, monkeypatch, kernel_copy):
+    """Rows copied file to file (copy_file_range, or pread/pwrite where the kernel refuses it)
+    land at the requested offsets and equal the rows safetensors reads."""
+    import errno
+    import os
+
+    from megatron_fp8rl.convert.safetensors_io import copy_bytes
+
+    if not kernel_copy:
+        def refuse(*args, **kwargs):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    checkpoint = HFCheckpoint(tmp_path)
+    with open(tmp_path / "out.bin", "wb") as out:
+        out.write(b"x" * 3)
+        for name, start, stop, at in [("a", 1, 4, 10), ("d", 0, 3, 100), ("b", 2, 7, 50)]:
+            copy_bytes(*checkpoint.row_bytes(name, start, stop), out.fileno(), at)
+        assert out.tell() == 3  # the file position is left alone
+    data = (tmp_path / "out.bin").read_bytes()
+    assert data[:3] == b"xxx"
+    for name, start, stop, at in [("a", 1, 4, 10), ("d", 0, 3, 100), ("b", 2, 7, 50)]:
+        want = tensors[name][start:stop].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        assert data[at:at + len(want)] == want
+
+
+def test_copy_bytes_from_truncated_file_names_it(tmp_path):
+    from megatron_fp8rl.convert.safetensors_io import copy_bytes
+
+    save_file(_tensors(), tmp_path / "model.safetensors")
+    path, offset, nbytes = HFCheckpoint(tmp_path).row_bytes("b", 0, 7)
+    size = (tmp_path / "model.safetensors").stat().st_size
+    with open(tmp_path / "out.bin", "wb") as out, \
+            pytest.raises(CheckpointError, match=r"corrupt safetensors file .*model\.safetensors: unexpected end"):
+        copy_bytes(path, size - 4, nbytes, out.fileno(), 0)
