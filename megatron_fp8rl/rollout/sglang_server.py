@@ -1,13 +1,18 @@
 """SGLang as an HTTP server in a child process, and the client the trainer uses to talk to it.
 
-Owns: `SGLangServer` (a `RolloutEngine`): starting `python -m sglang.launch_server` on a loopback port
-with the CPU tier's stand-ins, waiting for /health, an HTTP client with timeouts and bounded retries,
-weight updates through /update_weights_from_disk, and a shutdown that also happens when this process
-dies (the server gets PR_SET_PDEATHSIG=SIGKILL; SGLang's own children die with the server).
+Owns: `SGLangServer` (a `RolloutEngine`): starting SGLang's HTTP server
+(`python -m megatron_fp8rl.rollout.sglang_launch`, i.e. sglang.launch_server plus the CPU tier's
+seeded-sampling shims) on a loopback port with the CPU tier's stand-ins, optionally on chosen
+devices, or connecting to a running server by URL; waiting for /health, an HTTP client with
+timeouts and bounded retries, weight updates from disk (/update_weights_from_disk) or over a
+process group (/update_weights_from_distributed, rollout/weight_transfer.py), and a shutdown that
+also happens when this process dies (the server gets PR_SET_PDEATHSIG=SIGKILL; SGLang's own children
+die with the server). A server reached by URL is never shut down by us.
 Must not import: models, convert, data, trainer, cli; nor sglang (the server runs in its own process).
 
-Weight updates go through disk because /update_weights_from_tensor ships torch's multiprocessing
-handles, which for CPU tensors are file descriptors that cannot travel over HTTP.
+No /update_weights_from_tensor here: it ships torch's multiprocessing handles, which for CPU
+tensors are file descriptors that cannot travel over HTTP. The disk transfer needs a file system
+the server also sees (`update_dir`).
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Iterable
+
+from urllib.parse import urlparse
 
 import requests
 import torch
@@ -38,7 +45,10 @@ from megatron_fp8rl.rollout.sglang_common import (
     server_argv,
     sglang_sampling,
 )
+from megatron_fp8rl.rollout.weight_transfer import DistributedWeightSender
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
+
+TRANSFERS = ("disk", "distributed")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -81,21 +91,54 @@ class SGLangServer:
         request_timeout_s: float = 300.0,
         retries: int = 2,
         log_path: str | Path | None = None,
+        url: str | None = None,
+        weight_transfer: str = "disk",
+        bucket_mb: float = 512,
+        devices: str | None = None,
+        update_dir: str | Path | None = None,
     ):
+        """`url`: connect to a running server (model_path must be the checkpoint it serves)
+        instead of starting one. `devices`: CUDA_VISIBLE_DEVICES of a started server (its TP size
+        is `config.extra["tp_size"]`). `update_dir`: where disk transfers write (default: a
+        temporary folder of this process)."""
+        if weight_transfer not in TRANSFERS:
+            raise ValueError(f"weight_transfer={weight_transfer!r}: an SGLang server takes one of {TRANSFERS}")
         self.config = config
+        self.external = url is not None
+        if self.external:
+            parsed = urlparse(url)
+            if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+                raise RolloutEngineError(f"server_url={url!r}: expected http://HOST:PORT")
+            host, port = parsed.hostname, parsed.port
         self.host = host
         self.port = port
         self.startup_timeout_s = startup_timeout_s
         self.request_timeout_s = request_timeout_s
         self.retries = retries
+        self.weight_transfer, self.bucket_bytes, self.devices = weight_transfer, int(bucket_mb * 2**20), devices
         check_model_dir(config.model_path)
         self.expected = ExpectedWeights.from_checkpoint(config.model_path)
         self.weight_version = config.initial_weight_version
         self._workdir = tempfile.TemporaryDirectory(prefix="sglang_server_")
+        self.update_dir = Path(update_dir) if update_dir else Path(self._workdir.name)
         self.log_path = Path(log_path) if log_path else Path(self._workdir.name) / "server.log"
         self._session = requests.Session()
         self._proc: subprocess.Popen | None = None
-        self.start()
+        self._sender: DistributedWeightSender | None = None
+        if self.external:
+            self._connect()
+        else:
+            self.start()
+
+    def _connect(self) -> None:
+        """Check that the server at `url` answers before any training starts."""
+        if not self.health():
+            raise RolloutEngineError(
+                f"rollout.server_url={self.url}: no SGLang server answers /health there "
+                f"(start one with `python -m sglang.launch_server --model-path {self.config.model_path} "
+                f"--host {self.host} --port {self.port}`)")
+        info = self._get("/model_info")
+        self.weight_version = _int_version(info.get("weight_version"), self.config.initial_weight_version)
 
     @property
     def url(self) -> str:
@@ -104,13 +147,18 @@ class SGLangServer:
     def start(self) -> None:
         """Start the server (again, after a crash or shutdown) and wait until /health answers 200.
         A (re)started server serves the checkpoint on disk: the weight version resets."""
+        if self.external:
+            raise RolloutEngineError(f"the SGLang server at {self.url} was not started here; restart it there")
         self.shutdown()
         self.weight_version = self.config.initial_weight_version
         self.port = self.port or free_port(self.host)
         check_port_free(self.host, self.port)
         env = sglang_cpu.subprocess_env() if self.config.resolved_device() == "cpu" else dict(os.environ)
         env.update(ENGINE_ENV)
-        argv = [sys.executable, "-m", "sglang.launch_server", *server_argv(self.config, self.host, self.port)]
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices
+        argv = [sys.executable, "-m", "megatron_fp8rl.rollout.sglang_launch",
+                *server_argv(self.config, self.host, self.port)]
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -152,7 +200,7 @@ class SGLangServer:
             try:
                 response = self._session.post(self.url + path, json=payload, timeout=(5.0, timeout))
             except requests.ConnectionError as err:
-                if attempt == self.retries or self._proc is None or self._proc.poll() is not None:
+                if attempt == self.retries or (not self.external and (self._proc is None or self._proc.poll() is not None)):
                     self._check_alive(path)
                     raise RolloutEngineError(f"SGLang server {self.url}{path}: connection failed: {err}") from err
                 time.sleep(0.5 * 2**attempt)
@@ -166,7 +214,18 @@ class SGLangServer:
             return response.json()
         raise AssertionError("unreachable")
 
+    def _get(self, path: str) -> dict:
+        try:
+            response = self._session.get(self.url + path, timeout=(5.0, self.request_timeout_s))
+        except requests.RequestException as err:
+            raise RolloutEngineError(f"SGLang server {self.url}{path}: {err}") from err
+        if response.status_code != 200:
+            raise RolloutEngineError(f"SGLang server {self.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
+
     def _check_alive(self, what: str) -> None:
+        if self.external:
+            return
         if self._proc is None:
             raise RolloutEngineError(f"SGLang server {self.url}{what}: the server is not running")
         code = self._proc.poll()
@@ -186,11 +245,26 @@ class SGLangServer:
         return parse_outputs(outputs, [list(p) for p in prompt_token_ids], n, self.config.initial_weight_version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Validate, write the tensors as a safetensors checkpoint in the server's work folder, and
-        have the server load it (/update_weights_from_disk). A refused update changes nothing."""
+        """Validate every tensor against the served checkpoint, then send them (disk or
+        distributed, see the class). A refused update raises before anything reaches the server."""
         checked = validate_named_tensors(named_tensors, self.expected)
-        update_dir = Path(self._workdir.name) / f"weights_v{version}"
-        update_dir.mkdir(exist_ok=True)
+        if self.weight_transfer == "distributed":
+            if self._sender is None:
+                self._sender = DistributedWeightSender(self._post, self.host, self.server_tp(), self.bucket_bytes)
+            self._sender.send(checked, version)
+        else:
+            self._update_from_disk(checked, version)
+        self.weight_version = version
+
+    def server_tp(self) -> int:
+        """Tensor-parallel size of the server (its ranks join the weight-update group)."""
+        return int(self._get("/server_info").get("tp_size", 1))
+
+    def _update_from_disk(self, checked: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write the tensors as a safetensors checkpoint in `update_dir` and have the server load
+        it (/update_weights_from_disk); the file is removed afterwards."""
+        update_dir = self.update_dir / f"weights_v{version}"
+        update_dir.mkdir(parents=True, exist_ok=True)
         for name in ("config.json", "generation_config.json"):
             source = Path(self.config.model_path) / name
             if source.is_file():
@@ -204,7 +278,6 @@ class SGLangServer:
             (update_dir / "model.safetensors").unlink(missing_ok=True)
         if not result.get("success"):
             raise RolloutEngineError(f"SGLang update_weights_from_disk failed: {result.get('message')}")
-        self.weight_version = version
 
     def release_memory(self) -> None:
         """Colocated mode. On CPU a no-op: SGLang's memory release (torch_memory_saver) is CUDA-only."""
@@ -217,8 +290,8 @@ class SGLangServer:
             self._post("/resume_memory_occupation", {})
 
     def health(self) -> bool:
-        """Whether the server process is alive and /health answers 200 within 5 s."""
-        if self._proc is None or self._proc.poll() is not None:
+        """Whether the server (process, when started here) is alive and /health answers 200 within 5 s."""
+        if not self.external and (self._proc is None or self._proc.poll() is not None):
             return False
         try:
             return self._session.get(self.url + "/health", timeout=5.0).status_code == 200
@@ -226,7 +299,11 @@ class SGLangServer:
             return False
 
     def shutdown(self) -> None:
-        """SIGTERM the server's process group, SIGKILL it after 15 s. Idempotent."""
+        """SIGTERM the server's process group, SIGKILL it after 15 s (a server reached by URL is
+        left running). Idempotent."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
@@ -258,3 +335,10 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _int_version(label, default: int) -> int:
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return default

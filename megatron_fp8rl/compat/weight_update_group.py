@@ -1,0 +1,32 @@
+"""A process group between trainer rank 0 and an SGLang server, outside torchrun's world.
+
+Owns: `init_weight_update_group`, the trainer's side of SGLang's `init_weights_update_group`
+(SGLang 0.5.23, `sglang.srt.utils.common.init_custom_process_group`): a TCP rendezvous hosted by
+group rank 0, a `PrefixStore` named after the group, and torch's private
+`_new_process_group_helper` — the only way to make a group whose members are not all in the
+default (torchrun) world. Both sides must build the group the same way, so this mirrors SGLang's
+function line for line; re-check it when torch or SGLang move. Must not import: anything of ours
+above layer L1.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+
+def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int,
+                             world_size: int, group_name: str, timeout_s: float = 600.0):
+    """Join (rank 0: host) the group `group_name`; blocks until all `world_size` members joined.
+    Collectives on it take group ranks as `src` (an identity map is registered)."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend),
+                                         PrefixStore(group_name, store), group_name=group_name,
+                                         backend_options=None, timeout=timeout, device_id=None)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group

@@ -1,0 +1,83 @@
+"""Disaggregated rollout pieces on CPU with the real SGLang server: weights sent over a gloo process
+group (/update_weights_from_distributed) in several buckets, a server reached by URL, and seeded
+sampling that reproduces across server restarts (deterministic inference with the CPU shims).
+One server process (+2 SGLang children) at a time; the URL test starts a second client only."""
+import pytest
+import torch
+
+from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
+from megatron_fp8rl.rollout.sglang_server import SGLangServer, free_port
+from megatron_fp8rl.rollout.weight_transfer import buckets
+from tests.rollout import hf_reference as hf
+from tests.rollout.conftest import needs_sglang, sglang_config
+from tests.rollout.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
+
+pytestmark = needs_sglang
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12]]
+
+
+def test_buckets_bound_their_size_and_keep_order():
+    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 30, 5, 100, 1, 1])]
+    parts = buckets(tensors, bucket_bytes=40 * 4)
+    assert [name for part in parts for name, _ in part] == [name for name, _ in tensors]
+    assert [[name for name, _ in part] for part in parts] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+
+
+def test_unanswered_server_url_is_a_clear_error(tiny_dirs):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RolloutEngineError, match=f"rollout.server_url={url}: no SGLang server answers"):
+        SGLangServer(sglang_config(tiny_dirs["llama"]), url=url)
+    with pytest.raises(RolloutEngineError, match="expected http://HOST:PORT"):
+        SGLangServer(sglang_config(tiny_dirs["llama"]), url="127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs):
+    srv = SGLangServer(sglang_config(tiny_dirs["llama"], deterministic=True),
+                       weight_transfer="distributed", bucket_mb=0.05)
+    yield srv
+    srv.close()
+
+
+@pytest.mark.slow
+def test_seeded_sampling_reproduces_across_restarts(server):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)
+    first = server.generate(PROMPTS, sampling, n=4)
+    again = server.generate(PROMPTS, sampling, n=4)
+    other = server.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=12), n=4)
+    server.start()
+    restarted = server.generate(PROMPTS, sampling, n=4)
+    tokens = lambda samples: [s.token_ids for s in samples]  # noqa: E731
+    assert tokens(first) == tokens(again) == tokens(restarted)
+    assert [s.logprobs for s in first] == [s.logprobs for s in restarted]
+    assert tokens(first) != tokens(other)
+    assert len({tuple(s.token_ids) for s in first[:4]}) > 1  # the n samples of a prompt differ
+
+
+@pytest.mark.slow
+def test_distributed_update_in_buckets_matches_transformers(server, tiny_dirs):
+    new_weights = random_state_dict(tiny_dirs["llama"], seed=5)
+    assert len(buckets(new_weights.items(), server.bucket_bytes)) > 3
+    with pytest.raises(WeightUpdateError, match="has shape"):
+        server.update_weights([("model.norm.weight", torch.ones(3))], version=9)
+    server.update_weights(new_weights.items(), version=3)
+    model = load_hf(tiny_dirs["llama"])
+    hf.load_state_dict(model, new_weights)
+    for sample, prompt in zip(server.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10)), PROMPTS):
+        assert sample.token_ids == hf.greedy(model, prompt, 10, EOS_TOKEN_ID)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), hf.token_logprobs(model, prompt, sample.token_ids),
+                                   atol=1e-4, rtol=0)
+        assert sample.weight_version == 3
+    # a second update reuses the group
+    server.update_weights(random_state_dict(tiny_dirs["llama"], seed=6).items(), version=4)
+    assert server.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=2))[0].weight_version == 4
+
+
+@pytest.mark.slow
+def test_client_by_url_generates_and_leaves_the_server_running(server, tiny_dirs):
+    client = SGLangServer(sglang_config(tiny_dirs["llama"]), url=server.url, weight_transfer="disk")
+    assert client.weight_version == server.weight_version
+    ours = client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))
+    assert [s.token_ids for s in ours] == [s.token_ids for s in server.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))]
+    client.close()
+    assert server.health()
