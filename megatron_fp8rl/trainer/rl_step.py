@@ -24,6 +24,7 @@ from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch, micro_batches, pad_rows
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.objective import loss_denominator, make_loss_fn
+from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT, rollout_tensors, served_scales
 
 
 @dataclass
@@ -148,7 +149,15 @@ def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
     """log π_old of every position, [B_padded, S], recomputed by the trainer before the update
     (real values on the last pipeline stage, zeros elsewhere, where the loss is not computed)."""
     batch = _layout_rows(ctx, batch)
-    per_micro = ctx.actor.logprobs(micro_batches(batch, ctx.cfg.train.micro_batch_size))
+    micro = micro_batches(batch, ctx.cfg.train.micro_batch_size)
+    if ctx.cfg.rollout.fp8 == "aligned":
+        # Recompute with exactly the FP8 scales the rollout engine served (rollout_fp8.py).
+        if ctx.actor.rollout_scales is None:
+            ctx.actor.rollout_scales = served_scales(Path(ctx.cfg.run_dir) / ROLLOUT_CHECKPOINT)
+        with ctx.actor.frozen_fp8(ctx.actor.rollout_scales):
+            per_micro = ctx.actor.logprobs(micro)
+    else:
+        per_micro = ctx.actor.logprobs(micro)
     return torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs)
 
 
@@ -175,8 +184,15 @@ def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor) ->
 
 
 def sync_weights(ctx: StepContext, version: int) -> None:
-    """Trainer weights -> rollout engine (through a torch_dist snapshot, any TP/PP)."""
+    """Trainer weights -> rollout engine (through a torch_dist snapshot, any TP/PP), quantized
+    for rollout.fp8 (rollout_fp8.rollout_tensors); aligned mode also sends the trainer's FP8
+    scales and keeps them for the next old-logprob recompute."""
     directory = ctx.actor.save_weights(ctx.sync_dir)
+    mode = ctx.cfg.rollout.fp8
+    scales = ctx.actor.aligned_scales() if mode == "aligned" else None
     if ctx.engine is not None:
-        ctx.engine.update_weights(ctx.actor.hf_tensors(directory), version=version)
+        tensors = rollout_tensors(ctx.actor.hf_tensors(directory),
+                                  int(ctx.actor.hf_config["num_hidden_layers"]), mode, scales)
+        ctx.engine.update_weights(tensors, version=version)
+    ctx.actor.rollout_scales = scales
     dist.barrier()
