@@ -93,3 +93,19 @@ def test_crashing_reward_scores_zero_and_is_counted(tiny_run_inputs, tmp_path):
                      "train.steps=1", "train.eval_every=0", "algorithm.dynamic_sampling=false")
     assert summary["reward/errors"] == 2 * 4  # every sample of the step's 2 prompts x 4 samples
     assert summary["reward/mean"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_aligned_fp8_rollout_removes_the_mismatch(tiny_run_inputs, tmp_path):
+    """Two 1-process runs with the same calibrated FP8 trainer: rollout in fp32, then
+    rollout.fp8=aligned (SGLang serves the trainer's FP8 weights and bounds; the recompute freezes
+    them). The logged trainer/rollout mismatch must fall far below the fp32-rollout case."""
+    common = ("model.fp8=calibrated", "train.eval_every=0", "algorithm.dynamic_sampling=false")
+    _train(tiny_run_inputs, tmp_path / "fp32", 1, *common)
+    _train(tiny_run_inputs, tmp_path / "aligned", 1, *common, "rollout.fp8=aligned")
+    baseline = _scalars(tmp_path / "fp32")["train/mismatch_abs_logprob_diff_mean"]
+    aligned = _scalars(tmp_path / "aligned")["train/mismatch_abs_logprob_diff_mean"]
+    print(f"mismatch mean |dlogp| per step: fp32 rollout {baseline}, aligned FP8 rollout {aligned}")
+    assert len(aligned) == 2 and len(baseline) == 2
+    assert max(aligned) * 20 < min(baseline)
