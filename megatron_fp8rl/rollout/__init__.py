@@ -2,8 +2,9 @@
 
 Owns: `engine` (interface, dataclasses, errors), `weights` (validating updates), `sglang_common`
 (config and translation), `sglang_engine` (in-process Engine), `sglang_server` (server subprocess +
-HTTP client). Importing this package imports neither sglang nor requests' servers; the SGLang
-modules are imported by name.
+HTTP client), `sglang_fp8` (our FP8 quantization method inside SGLang, registered by the
+`sglang.srt.plugins` entry point in setup.py). Importing this package imports neither sglang nor
+requests' servers; the SGLang modules are imported by name.
 Must not import: models, convert, data, trainer, cli (layer L2 imports only L0/L1 of ours).
 """
 from megatron_fp8rl.rollout.engine import (
