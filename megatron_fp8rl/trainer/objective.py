@@ -1,15 +1,37 @@
 """The training objective of one RL step: the policy loss with train/rollout mismatch correction,
-as the per-micro-batch callable the Megatron schedule runs, and its normalization.
+as the per-micro-batch callable the Megatron schedule runs, its normalization, and the thresholds
+calibrated to the step's train/rollout noise floor (rl.noise).
 
-Owns: `make_loss_fn` and `loss_denominator`. Must not import: cli, trainer.loop, trainer.rl_step.
+Where the noise floor Δ = log π_old − log π_rollout comes from (logged as noise/source_first_forward):
+- decoupled (0): the trainer's recomputed old logprobs of the whole batch, before any update.
+- bypass (1): no recompute runs. The first mini-batch's forward happens at θ_old (no optimizer step
+  yet), so each of its micro-batches estimates Δ from its own detached logprobs and clips with the
+  interval widened by that estimate; later mini-batches (after an optimizer step, π_old no longer
+  at hand) reuse the first mini-batch's estimate averaged over its micro-batches and DP ranks.
+  A periodic recompute would cost the forward bypass exists to save, and a stale floor.
+
+Owns: `make_loss_fn`, `loss_denominator`, `step_noise_floor`, `effective_thresholds`.
+Must not import: cli, trainer.loop, trainer.rl_step.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
 
 from megatron_fp8rl.rl.correction import masked_importance_weights, truncated_importance_weights
 from megatron_fp8rl.rl.losses import policy_loss
 from megatron_fp8rl.rl.metrics import mismatch_metrics
+from megatron_fp8rl.rl.noise import (
+    NoiseFloor,
+    calibrated_mis_band,
+    calibrated_tis_cap,
+    clip_attribution,
+    estimate_noise,
+    widened_clip,
+)
 from megatron_fp8rl.trainer.batch import RolloutBatch
-from megatron_fp8rl.trainer.config import RunConfig
+from megatron_fp8rl.trainer.config import AlgorithmConfig, RunConfig
 
 
 def loss_denominator(cfg: RunConfig, mini: RolloutBatch, dp_size: int) -> float:
@@ -23,27 +45,110 @@ def loss_denominator(cfg: RunConfig, mini: RolloutBatch, dp_size: int) -> float:
     return max(count, 1.0) / (micro_per_rank * dp_size)
 
 
-def make_loss_fn(cfg: RunConfig, denominator: float):
-    """The callable `(micro_batch, logprobs [B, S], entropy [B, S]) -> (loss, metrics)` that the
-    Megatron schedule runs per micro-batch: mismatch metrics, TIS/MIS weights, the policy loss."""
+def noise_levels(algo: AlgorithmConfig) -> tuple[float, ...]:
+    """Quantile levels estimated every step: the logged ones and the tails α, 1 − α."""
+    tails = {algo.noise_quantile, round(1 - algo.noise_quantile, 12)}
+    return tuple(sorted(set(algo.noise_log_quantiles) | tails))
+
+
+def _ratio_level(algo: AlgorithmConfig) -> str:
+    return "sequence" if algo.name == "gspo" else "token"
+
+
+def step_noise_floor(cfg: RunConfig, batch: RolloutBatch, old_logprobs: torch.Tensor) -> NoiseFloor:
+    """Decoupled mode: the noise floor of the whole batch from the recomputed old logprobs [B, S]
+    (token level; per-sequence mean Δ for GSPO, whose ratio is a per-sequence geometric mean)."""
     algo = cfg.algorithm
+    return estimate_noise(old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                          noise_levels(algo), _ratio_level(algo))
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The step's effective PPO epsilons and TIS/MIS thresholds (configured ones at zero noise)."""
+
+    clip_low: float
+    clip_high: float
+    tis_cap: float
+    mis_low: float
+    mis_high: float
+
+    def metrics(self, correction: str) -> dict[str, torch.Tensor]:
+        out = {"noise/clip_low": self.clip_low, "noise/clip_high": self.clip_high}
+        if correction == "tis":
+            out["noise/tis_cap"] = self.tis_cap
+        if correction == "mis":
+            out.update({"noise/mis_low": self.mis_low, "noise/mis_high": self.mis_high})
+        return {name: torch.tensor(value, dtype=torch.float64) for name, value in out.items()}
+
+
+def effective_thresholds(algo: AlgorithmConfig, noise: NoiseFloor) -> Thresholds:
+    """bypass: the clip interval widened by the noise tails (rl.noise.widened_clip); decoupled: the
+    configured one (its ratio has no noise). noise_correction: calibrated TIS cap and MIS band."""
+    low_tail = noise.delta_at(round(1 - algo.noise_quantile, 12))
+    high_tail = noise.delta_at(algo.noise_quantile)
+    clip_low, clip_high = algo.clip_low, algo.clip_high
+    if algo.old_policy == "bypass":
+        clip_low, clip_high = widened_clip(clip_low, clip_high, low_tail, high_tail,
+                                           clip_low_max=algo.noise_clip_low_max,
+                                           clip_high_max=algo.noise_clip_high_max)
+    tis_cap, mis_low, mis_high = algo.tis_cap, algo.mis_low, algo.mis_high
+    if algo.noise_correction:
+        tis_cap = calibrated_tis_cap(tis_cap, high_tail, cap_max=algo.noise_tis_cap_max)
+        mis_low, mis_high = calibrated_mis_band(mis_low, mis_high, low_tail, high_tail,
+                                                low_min=algo.noise_mis_low_min,
+                                                high_max=algo.noise_mis_high_max)
+    return Thresholds(clip_low, clip_high, tis_cap, mis_low, mis_high)
+
+
+def _correction(algo: AlgorithmConfig, old, rollout, mask, limits: Thresholds):
+    if algo.correction == "tis":
+        return truncated_importance_weights(old, rollout, mask, cap=limits.tis_cap)
+    if algo.correction == "mis":
+        return masked_importance_weights(old, rollout, mask, low=limits.mis_low, high=limits.mis_high)
+    return None
+
+
+def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = None):
+    """The callable `(micro_batch, logprobs [B, S], entropy [B, S]) -> (loss, metrics)` that the
+    Megatron schedule runs per micro-batch: mismatch and noise metrics, TIS/MIS weights, the policy
+    loss. `noise`: the step's noise floor; None only for bypass mode's first mini-batch, which
+    estimates it per micro-batch from its forward at θ_old (module docstring). Decoupled micro-
+    batches carry `old_logprobs`; bypass ones use `rollout_logprobs` as π_old."""
+    algo = cfg.algorithm
+    bypass, ratio_level = algo.old_policy == "bypass", _ratio_level(algo)
+    if noise is None and not bypass:
+        raise ValueError("decoupled mode needs the step's noise floor from the recomputed old logprobs")
+    fixed = effective_thresholds(algo, noise) if noise is not None else None
 
     def loss_fn(mb, logprobs, entropy):
-        mask, old, rollout = mb["response_mask"], mb["old_logprobs"], mb["rollout_logprobs"]
-        metrics = mismatch_metrics(old, rollout, mask)
+        mask, rollout = mb["response_mask"], mb["rollout_logprobs"]
+        # log π_old where it is known: the recompute, or this forward before any update (bypass)
+        if bypass:
+            trainer_old = logprobs.detach() if noise is None else None
+        else:
+            trainer_old = mb["old_logprobs"]
+        floor = noise if noise is not None else estimate_noise(trainer_old, rollout, mask,
+                                                               noise_levels(algo), ratio_level)
+        limits = fixed if fixed is not None else effective_thresholds(algo, floor)
+        metrics = {**floor.metrics(), **limits.metrics(algo.correction),
+                   "noise/source_first_forward": torch.tensor(float(bypass))}
         weights = None
-        if algo.correction == "tis":
-            correction = truncated_importance_weights(old, rollout, mask, cap=algo.tis_cap)
-        elif algo.correction == "mis":
-            correction = masked_importance_weights(old, rollout, mask, low=algo.mis_low, high=algo.mis_high)
-        if algo.correction != "none":
+        if trainer_old is not None:
+            metrics.update(mismatch_metrics(trainer_old, rollout, mask))
+        correction = None if bypass else _correction(algo, trainer_old, rollout, mask, limits)
+        if correction is not None:
             weights = correction.weights
             metrics.update(correction.metrics)
-        out = policy_loss(logprobs, old, mb["advantages"], mask,
-                          ratio_level="sequence" if algo.name == "gspo" else "token",
-                          clip_low=algo.clip_low, clip_high=algo.clip_high, agg_mode=algo.agg_mode,
-                          max_response_length=cfg.rollout.max_new_tokens, denominator=denominator,
-                          correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef)
+        out = policy_loss(logprobs, rollout if bypass else trainer_old, mb["advantages"], mask,
+                          ratio_level=ratio_level, clip_low=limits.clip_low, clip_high=limits.clip_high,
+                          agg_mode=algo.agg_mode, max_response_length=cfg.rollout.max_new_tokens,
+                          denominator=denominator, correction_weights=weights, entropy=entropy,
+                          entropy_coef=algo.entropy_coef)
+        if trainer_old is not None:
+            metrics.update(clip_attribution(logprobs, trainer_old, rollout, mb["advantages"], mask,
+                                            clip_low=limits.clip_low, clip_high=limits.clip_high,
+                                            ratio_level=ratio_level))
         return out.loss, {**out.metrics, **metrics}
 
     return loss_fn

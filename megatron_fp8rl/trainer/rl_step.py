@@ -18,12 +18,13 @@ from megatron.core import parallel_state
 
 from megatron_fp8rl.data.rewards import RewardFn, score
 from megatron_fp8rl.rl.advantages import grpo_advantages, rloo_advantages
+from megatron_fp8rl.rl.noise import NoiseFloor
 from megatron_fp8rl.rl.sampling import select_informative_groups, shape_overlong_rewards
 from megatron_fp8rl.rollout.engine import RolloutEngine, RolloutSample, SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch, micro_batches, pad_rows
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.objective import loss_denominator, make_loss_fn
+from megatron_fp8rl.trainer.objective import loss_denominator, make_loss_fn, noise_levels, step_noise_floor
 from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT, rollout_tensors, served_scales
 
 
@@ -58,8 +59,8 @@ def rl_step(ctx: StepContext, prompts: list[list[int]], answers: list[str], more
         return {**stats, **ctx.timings}
     with _timed(ctx, "advantages"):
         batch = _make_batch(ctx.cfg, samples, rewards)
-    with _timed(ctx, "recompute"):
-        old_logprobs = _old_logprobs(ctx, batch)
+    with _timed(ctx, "recompute"):  # bypass: the rollout logprobs are π_old, nothing to recompute
+        old_logprobs = None if ctx.cfg.algorithm.old_policy == "bypass" else _old_logprobs(ctx, batch)
     with _timed(ctx, "train"):
         train_metrics = {**_train(ctx, batch, old_logprobs), **ctx.actor.fp8_metrics()}
     with _timed(ctx, "sync"):
@@ -161,24 +162,34 @@ def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
     return torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs)
 
 
-def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor) -> dict[str, float]:
-    """One optimizer step per mini-batch on this rank's DP slice; metrics averaged over steps."""
+def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | None) -> dict[str, float]:
+    """One optimizer step per mini-batch on this rank's DP slice; metrics averaged over steps.
+    `old_logprobs` None: bypass mode, where the first mini-batch measures the noise floor (objective.py)."""
     cfg = ctx.cfg
     batch = _layout_rows(ctx, batch)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    noise = None if old_logprobs is None else step_noise_floor(cfg, batch, old_logprobs)
     rows = torch.arange(batch.size)
     results = []
     for mini_rows in rows.chunk(cfg.train.mini_batches):
         mini = batch.select(mini_rows)
-        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, mini, dp_size))
+        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, mini, dp_size), noise)
         mine = mini_rows.chunk(dp_size)[dp_rank]
         local = batch.select(mine)
         micro = micro_batches(local, cfg.train.micro_batch_size)
-        for mb, old in zip(micro, old_logprobs[mine].split(cfg.train.micro_batch_size)):
-            mb["old_logprobs"] = old
+        if old_logprobs is not None:
+            for mb, old in zip(micro, old_logprobs[mine].split(cfg.train.micro_batch_size)):
+                mb["old_logprobs"] = old
         results.append(ctx.actor.train(micro, loss_fn))
-    metrics = {f"train/{k}": sum(r.metrics[k] for r in results) / len(results) for k in results[0].metrics}
+        if noise is None:
+            noise = NoiseFloor.from_metrics(results[0].metrics, noise_levels(cfg.algorithm))
+    # bypass: π_old-dependent metrics (mismatch, clip attribution) exist for the first mini-batch only
+    names = dict.fromkeys(name for r in results for name in r.metrics)
+    metrics = {}
+    for name in names:
+        values = [r.metrics[name] for r in results if name in r.metrics]
+        metrics[name if name.startswith("noise/") else f"train/{name}"] = sum(values) / len(values)
     metrics["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
     return metrics
 

@@ -1,0 +1,141 @@
+"""The noise-aware options of the objective (algorithm.old_policy, algorithm.noise_*).
+
+Without a process group: at zero train/rollout noise every option's loss and gradient are bit-equal
+to plain DAPO/GSPO (`policy_loss` without the options); with a known noise the bypass interval is
+the widened one. End to end (`megatron-fp8rl train`, tiny random Llama, real SGLang, FP8 trainer,
+1 torchrun process + SGLang's 2 per run, two runs): bypass skips the recompute, measures the noise
+floor from the first forward and logs noise/ metrics; decoupled logs the same floor from the
+recompute, and both see the same noise.
+"""
+import math
+
+import pytest
+import torch
+
+from megatron_fp8rl.config.loader import load_config
+from megatron_fp8rl.rl.losses import policy_loss
+from megatron_fp8rl.rl.noise import estimate_noise
+from megatron_fp8rl.trainer.config import RunConfig
+from megatron_fp8rl.trainer.objective import make_loss_fn, noise_levels
+from tests.trainer.test_rl_train import _scalars, _train, tiny_run_inputs  # noqa: F401 (fixture)
+
+B, S = 6, 9
+DENOMINATOR = 17.0
+
+
+def _micro_batch(noise: float):
+    generator = torch.Generator().manual_seed(3)
+    mask = (torch.rand(B, S, generator=generator) < 0.8).float()
+    rollout = -torch.rand(B, S, generator=generator) * 3 * mask
+    advantages = torch.randn(B, 1, generator=generator).expand(B, S) * mask
+    moved = rollout + 0.4 * torch.randn(B, S, generator=generator) * mask  # the policy after updates
+    entropy = torch.rand(B, S, generator=generator)
+    old = rollout + noise * mask
+    return {"response_mask": mask, "rollout_logprobs": rollout, "advantages": advantages,
+            "old_logprobs": old}, moved, entropy
+
+
+def _loss_and_grad(loss_fn, mb, logprobs, entropy):
+    leaf = logprobs.clone().requires_grad_()
+    loss, metrics = loss_fn(mb, leaf, entropy)
+    loss.backward()
+    return loss.detach(), leaf.grad, metrics
+
+
+def _plain(cfg, mb, logprobs, entropy, old):
+    leaf = logprobs.clone().requires_grad_()
+    out = policy_loss(leaf, old, mb["advantages"], mb["response_mask"],
+                      ratio_level="sequence" if cfg.algorithm.name == "gspo" else "token",
+                      clip_low=cfg.algorithm.clip_low, clip_high=cfg.algorithm.clip_high,
+                      agg_mode=cfg.algorithm.agg_mode, max_response_length=cfg.rollout.max_new_tokens,
+                      denominator=DENOMINATOR, entropy=entropy)
+    out.loss.backward()
+    return out.loss.detach(), leaf.grad
+
+
+OPTIONS = [
+    ["algorithm.correction=none"],
+    ["algorithm.correction=tis"],
+    ["algorithm.correction=mis"],
+    ["algorithm.correction=tis", "algorithm.noise_correction=true"],
+    ["algorithm.correction=mis", "algorithm.noise_correction=true", "algorithm.noise_quantile=0.99"],
+    ["algorithm.old_policy=bypass", "algorithm.correction=none"],
+    ["algorithm.old_policy=bypass", "algorithm.correction=none", "algorithm.noise_quantile=0.5"],
+]
+
+
+@pytest.mark.parametrize("name", ["dapo", "gspo"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(x.split(".")[1] for x in o))
+@pytest.mark.parametrize("first_forward", [False, True], ids=["updated", "first_forward"])
+def test_zero_noise_reduces_every_option_to_plain_policy_loss(name, options, first_forward):
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.name={name}", *options])
+    mb, moved, entropy = _micro_batch(noise=0.0)
+    # first_forward: the parameters are still θ_old, so log π_θ equals the (noise-free) rollout's
+    logprobs = mb["rollout_logprobs"].clone() if first_forward else moved
+    bypass = cfg.algorithm.old_policy == "bypass"
+    noise = None
+    if not (bypass and first_forward):  # bypass's first mini-batch measures the floor itself
+        noise = estimate_noise(mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"],
+                               noise_levels(cfg.algorithm), "sequence" if name == "gspo" else "token")
+    if bypass:
+        del mb["old_logprobs"]
+    loss, grad, metrics = _loss_and_grad(make_loss_fn(cfg, DENOMINATOR, noise), mb, logprobs, entropy)
+    plain_loss, plain_grad = _plain(cfg, mb, logprobs, entropy, mb["rollout_logprobs"])
+    assert torch.equal(loss, plain_loss)
+    assert torch.equal(grad, plain_grad)
+    assert float(metrics["noise/clip_high"]) == cfg.algorithm.clip_high
+    assert float(metrics["noise/source_first_forward"]) == float(bypass)
+
+
+def test_bypass_widens_the_interval_by_the_measured_noise():
+    """Δ = +0.1 on every token, measured by the first forward: ε_high' = 1.28·e^0.1 − 1, ε_low kept;
+    the loss is policy_loss against the rollout logprobs with exactly those epsilons."""
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.old_policy=bypass",
+                                        "algorithm.correction=none"])
+    mb, _, entropy = _micro_batch(noise=0.1)
+    logprobs = mb.pop("old_logprobs")  # the first forward sees log π_old = rollout + Δ
+    loss, grad, metrics = _loss_and_grad(make_loss_fn(cfg, DENOMINATOR), mb, logprobs, entropy)
+    clip_high = float(metrics["noise/clip_high"])
+    assert clip_high == pytest.approx(1.28 * math.exp(0.1) - 1, rel=1e-6)
+    assert float(metrics["noise/clip_low"]) == 0.2
+    assert float(metrics["noise/delta_q0.5"]) == pytest.approx(0.1, abs=1e-6)
+    leaf = logprobs.clone().requires_grad_()
+    widened = policy_loss(leaf, mb["rollout_logprobs"], mb["advantages"], mb["response_mask"],
+                          clip_low=0.2, clip_high=clip_high, denominator=DENOMINATOR, entropy=entropy,
+                          max_response_length=cfg.rollout.max_new_tokens)
+    widened.loss.backward()
+    torch.testing.assert_close(loss, widened.loss.detach())
+    torch.testing.assert_close(grad, leaf.grad)
+    # r_R = e^0.1 ≈ 1.105 is inside [0.8, 1.28]: nothing is clipped for noise
+    assert float(metrics["noise/clip_noise_only_frac"]) == 0.0
+
+
+STEP_TAGS = ("noise/delta_q0.5", "noise/delta_q0.9", "noise/abs_delta_q0.9", "noise/abs_delta_q0.99",
+             "noise/clip_low", "noise/clip_high", "noise/clip_noise_only_frac",
+             "noise/clip_policy_only_frac", "noise/clip_both_frac", "noise/source_first_forward",
+             "noise/count", "train/pg_loss")
+
+
+@pytest.mark.multiprocess
+def test_bypass_and_decoupled_end_to_end(tiny_run_inputs, tmp_path):
+    """FP8 trainer against fp32 rollouts (real noise), one step of two mini-batches each mode."""
+    common = ("model.fp8=calibrated", "train.steps=1", "train.eval_every=0", "train.mini_batches=2",
+              "algorithm.dynamic_sampling=false")
+    _train(tiny_run_inputs, tmp_path / "bypass", 1, *common, "algorithm.old_policy=bypass",
+           "algorithm.correction=none")
+    _train(tiny_run_inputs, tmp_path / "decoupled", 1, *common, "algorithm.noise_correction=true")
+    bypass, decoupled = _scalars(tmp_path / "bypass"), _scalars(tmp_path / "decoupled")
+    for scalars in (bypass, decoupled):
+        for tag in STEP_TAGS:
+            assert tag in scalars and len(scalars[tag]) == 1, f"{tag}: {sorted(scalars)}"
+    assert bypass["noise/source_first_forward"] == [1.0] and decoupled["noise/source_first_forward"] == [0.0]
+    assert "noise/tis_cap" in decoupled and "noise/tis_cap" not in bypass
+    # same seed and weights: step 1 samples the same tokens, so both modes measure the same FP8
+    # noise — bypass from the training forward at θ_old, decoupled from the recompute
+    typical = decoupled["noise/abs_delta_q0.9"][0]
+    assert typical > 1e-4, "FP8 trainer vs fp32 rollout should show real noise"
+    assert bypass["noise/abs_delta_q0.9"][0] == pytest.approx(typical, rel=0.5)
+    # bypass widens only by what it measured, within the configured limits; decoupled does not widen
+    assert 0.28 < bypass["noise/clip_high"][0] <= 1.0 and 0.2 <= bypass["noise/clip_low"][0] <= 0.5
+    assert decoupled["noise/clip_high"] == [pytest.approx(0.28)]
+    assert bypass["time/recompute_s"][0] < 0.1 * decoupled["time/recompute_s"][0]
