@@ -46,7 +46,9 @@ def masked_quantiles(values: torch.Tensor, mask: torch.Tensor, levels: tuple[flo
     if not all(0.0 <= level <= 1.0 for level in levels):
         raise RLInputError(f"quantile levels must lie in [0, 1], got {levels}")
     mask = float_mask("mask", mask, values)
-    return _masked_quantiles(values.detach().float(), mask, list(levels)).nan_to_num(nan=0.0)
+    quantiles = _masked_quantiles(values.detach().float(), mask, list(levels))
+    # only an empty mask becomes 0: a NaN from non-finite logprobs must reach the threshold checks
+    return torch.where(mask.sum() > 0, quantiles, torch.zeros_like(quantiles))
 
 
 @dataclass(frozen=True)

@@ -202,3 +202,11 @@ def test_clip_attribution_sequence_level():
                                  clip_low=0.2, clip_high=0.28, ratio_level="sequence")
     assert float(fractions["noise/clip_noise_only_frac"]) == 1.0
     assert float(fractions["noise/clip_both_frac"]) == 0.0
+
+
+def test_non_finite_logprobs_are_not_mistaken_for_zero_noise():
+    train = torch.zeros(2, 3)
+    train[0, 1] = float("nan")
+    noise = estimate_noise(train, torch.zeros(2, 3), torch.ones(2, 3), (0.1, 0.9))
+    with pytest.raises(RLInputError, match="must be finite"):
+        calibrated_tis_cap(2.0, noise.delta_at(0.9), cap_max=10.0)
