@@ -84,6 +84,14 @@ class RolloutConfig:
     NCCL on GPU), disk (SGLang reloads a written HF snapshot)."""
     bucket_mb: int = 512
     """Largest weight-transfer bucket, in MiB."""
+    server_devices: str = ""
+    """disaggregated, server started here: CUDA_VISIBLE_DEVICES of the server (e.g. "4,5,6,7");
+    empty inherits this process's devices."""
+    server_tp: int = 1
+    """disaggregated, server started here: SGLang tensor-parallel size."""
+    deterministic: bool = False
+    """SGLang deterministic inference with per-sample seeds derived from (train.seed, step): the
+    rollouts of a resumed run equal an uninterrupted run's (exact resume), at some speed cost."""
 
     def __post_init__(self):
         _check(self.n_samples >= 2, "rollout.n_samples", f"must be >= 2 for group advantages, got {self.n_samples}")
@@ -100,6 +108,20 @@ class RolloutConfig:
         _check(self.weight_transfer in WEIGHT_TRANSFERS, "rollout.weight_transfer",
                f"{self.weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
         _check(self.bucket_mb >= 1, "rollout.bucket_mb", f"must be >= 1, got {self.bucket_mb}")
+        _check(self.server_tp >= 1, "rollout.server_tp", f"must be >= 1, got {self.server_tp}")
+        disaggregated = self.mode == "disaggregated"
+        _check(disaggregated or not (self.server_url or self.server_devices or self.server_tp > 1),
+               "rollout.mode", "server_url, server_devices and server_tp need rollout.mode=disaggregated")
+        _check(not disaggregated or self.weight_transfer != "tensor", "rollout.weight_transfer",
+               "tensor (update_weights_from_tensor) needs the in-process engine of rollout.mode="
+               "colocated; use distributed or disk with rollout.mode=disaggregated")
+        _check(disaggregated or self.weight_transfer == "tensor", "rollout.weight_transfer",
+               f"{self.weight_transfer} is implemented for rollout.mode=disaggregated only; "
+               "colocated uses tensor")
+        _check(not disaggregated or self.fp8 == "none", "rollout.fp8",
+               "FP8 rollouts are not yet wired to rollout.mode=disaggregated; use fp8=none there")
+        _check(not (self.server_url and (self.server_devices or self.server_tp > 1)), "rollout.server_url",
+               "a server reached by URL was started elsewhere: server_devices/server_tp do not apply")
 
 
 @dataclass

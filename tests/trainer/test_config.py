@@ -83,3 +83,26 @@ def test_noise_options_set_by_dotted_overrides():
     assert (algo.old_policy, algo.noise_quantile, algo.noise_clip_high_max) == ("bypass", 0.95, 0.6)
     assert list(algo.noise_log_quantiles) == [0.5, 0.99]
     assert load_config(RunConfig, None, ["model.hf_path=/x"]).algorithm.old_policy == "decoupled"
+
+
+# GPU examples: run config -> (model layout file, trainer GPUs in the launch the example describes)
+GPU_EXAMPLES = {"qwen3_8b_dapo_fp8.yaml": ("qwen3_8b.yaml", 8), "qwen2_5_32b_grpo_fp8.yaml": ("qwen2_5_32b.yaml", 24)}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_EXAMPLES))
+def test_gpu_examples_fit_their_model_and_gpus(name):
+    """The GPU run configs' TP/PP divide their model's heads, vocab and layers, and their
+    trainer GPU count."""
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_fp8rl.models.hf import check_parallel_layout
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    cfg = load_config(RunConfig, examples / name, ["model.hf_path=/x"])
+    model_file, gpus = GPU_EXAMPLES[name]
+    hf = yaml.safe_load((examples / "models" / model_file).read_text())["hf_config"]
+    check_parallel_layout(hf, cfg.model.tensor_parallel, cfg.model.pipeline_parallel)
+    assert gpus % (cfg.model.tensor_parallel * cfg.model.pipeline_parallel) == 0, name
+    assert cfg.model.fp8 != "none", name
