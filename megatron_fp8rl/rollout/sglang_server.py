@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_fp8rl.compat import sglang_cpu
+from megatron_fp8rl.compat.process_env import torchrun_free_env
 from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
 from megatron_fp8rl.rollout.sglang_common import (
     ENGINE_ENV,
@@ -153,7 +154,11 @@ class SGLangServer:
         self.weight_version = self.config.initial_weight_version
         self.port = self.port or free_port(self.host)
         check_port_free(self.host, self.port)
-        env = sglang_cpu.subprocess_env() if self.config.resolved_device() == "cpu" else dict(os.environ)
+        # Without torchrun's variables: a server started from a torchrun worker would otherwise
+        # join the trainer's rendezvous and hang (compat/process_env.py).
+        env = torchrun_free_env()
+        if self.config.resolved_device() == "cpu":
+            env = sglang_cpu.subprocess_env(env)
         env.update(ENGINE_ENV)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
