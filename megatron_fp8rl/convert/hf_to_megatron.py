@@ -10,10 +10,11 @@ takes. A chunk cast to another dtype is materialized alone, cast and torch.saved
 one cast chunk, not the model (measured on bench/convert.py's 2.2 GB checkpoint, largest tensor
 128 MiB: 0.53 GiB peak RSS for the whole process, imports included; DCP's own FileSystemWriter
 kept the last tensor of every key until its file closed: 0.94 GiB).
-Where the time goes (bench/convert.py, 2 CPUs): copy_file_range is ~75% of the conversion, the
-rest is building the meta model, planning, 183 torch.save framings and DCP's metadata; DCP's
-FileSystemWriter instead read each chunk into memory (30%), and torch.save copied it into the
-file (50%) after a CRC32 over it (20%), ~4x the time of `cp`.
+Where the time goes (bench/convert.py's checkpoint, 2 loaded CPUs, cProfile and phase timers):
+copy_file_range is ~75% of the conversion; the rest is building the meta model (0.05-0.15 s),
+planning (0.03-0.07 s), 183 torch.save framings and DCP's plan and metadata (~0.1 s). With DCP's
+own FileSystemWriter the write phase was reading each chunk into fresh memory (25%), torch.save's
+CRC32 over it (30%) and copying it into the file (45%): ~4.4x the time of `cp` on a quiet box.
 
 The target layout comes from the caller: the `sharded_state_dict()` of the Megatron GPTModel built
 on the meta device (TP=1, PP=1; megatron_fp8rl.models.build_model_from_hf(..., device="meta")).
