@@ -200,6 +200,12 @@ def start_engine(kwargs: dict):
     class _Engine(Engine):
         init_tokenizer_manager_func = staticmethod(recording_init)
 
+    if needed():  # seeded sampling on CPU (deterministic inference): compat/sglang_cpu_sampling.py
+        from megatron_fp8rl.compat import sglang_cpu_sampling
+
+        sglang_cpu_sampling.allow_torch_native_deterministic()
+        _Engine.run_scheduler_process_func = staticmethod(sglang_cpu_sampling.cpu_scheduler_process)
+
     try:
         with without_torchrun_env():  # the scheduler must not join a torchrun rendezvous
             return _Engine(**kwargs)

@@ -19,12 +19,14 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
                              world_size: int, group_name: str, timeout_s: float = 600.0):
     """Join (rank 0: host) the group `group_name`; blocks until all `world_size` members joined.
     Collectives on it take group ranks as `src` (an identity map is registered)."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    # The TCPStore SGLang's tcp:// rendezvous makes, built directly: inside a torchrun worker
+    # (TORCHELASTIC_USE_AGENT_STORE=True) `rendezvous` would use the elastic agent's store instead
+    # of hosting one on master_port, and the server would wait on an empty port forever.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False, multi_tenant=True)
     group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend),
                                          PrefixStore(group_name, store), group_name=group_name,
                                          backend_options=None, timeout=timeout, device_id=None)

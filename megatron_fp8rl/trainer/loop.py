@@ -6,6 +6,7 @@ rl_step.rl_step. Must not import: cli.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -70,7 +71,56 @@ def _start_engine(cfg: RunConfig):
                                      max_total_tokens=cfg.rollout.max_total_tokens,
                                      random_seed=cfg.train.seed, fp8=cfg.rollout.fp8,
                                      activation_scheme=cfg.rollout.activation_scheme,
-                                     fp8_backend=cfg.rollout.fp8_backend))
+                                     fp8_backend=cfg.rollout.fp8_backend,
+                                     deterministic=cfg.rollout.deterministic))
+
+
+def _start_server(cfg: RunConfig):
+    """Rank 0, rollout.mode=disaggregated: an SGLang server subprocess (on rollout.server_devices)
+    or the server at rollout.server_url, fed by rollout.weight_transfer (distributed or disk)."""
+    from megatron_fp8rl.rollout.sglang_common import SGLangConfig
+    from megatron_fp8rl.rollout.sglang_server import SGLangServer
+
+    rollout, run_dir = cfg.rollout, Path(cfg.run_dir)
+    config = SGLangConfig(model_path=cfg.model.hf_path, dtype=rollout.dtype,
+                          max_total_tokens=rollout.max_total_tokens, random_seed=cfg.train.seed,
+                          deterministic=rollout.deterministic,
+                          extra={"tp_size": rollout.server_tp} if rollout.server_tp > 1 else {})
+    return SGLangServer(config, url=rollout.server_url or None, weight_transfer=rollout.weight_transfer,
+                        bucket_mb=rollout.bucket_mb, devices=rollout.server_devices or None,
+                        update_dir=run_dir / "weight_updates", log_path=run_dir / "sglang_server.log")
+
+
+def _make_engine(cfg: RunConfig) -> "SeededRollouts":
+    """Rank 0's rollout engine for rollout.mode, with per-step sampling seeds."""
+    engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
+    return SeededRollouts(engine, cfg.train.seed)
+
+
+class SeededRollouts:
+    """A rollout engine whose sampled calls carry seeds fixed by (train.seed, step, call index in
+    the step), so with SGLang's deterministic inference a resumed run draws exactly the rollouts
+    an uninterrupted run drew: the seeds depend on nothing a crash loses. Without deterministic
+    inference SGLang ignores the seeds. Everything else is the wrapped engine's."""
+
+    SAMPLES_PER_CALL = 1 << 20
+    """Seed spacing between calls (SGLang gives sample j of a call seed + j)."""
+
+    def __init__(self, engine, seed: int):
+        self.engine, self.seed, self.step, self.calls = engine, seed, 0, 0
+
+    def start_step(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def generate(self, prompt_token_ids, sampling: SamplingParams, n: int = 1):
+        if sampling.temperature > 0 and sampling.seed is None:
+            base = ((self.seed * 1_000_003 + self.step) * 64 + self.calls) * self.SAMPLES_PER_CALL
+            sampling = dataclasses.replace(sampling, seed=base % (1 << 62))
+            self.calls += 1
+        return self.engine.generate(prompt_token_ids, sampling, n)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
 
 
 def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> float:
@@ -104,7 +154,7 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
     actor = MegatronActor(Path(cfg.model.hf_path), run_dir / "init_megatron", cfg.model.fp8,
                           OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                       clip_grad=cfg.train.clip_grad))
-    ctx = StepContext(cfg=cfg, actor=actor, engine=_start_engine(cfg) if rank == 0 else None,
+    ctx = StepContext(cfg=cfg, actor=actor, engine=_make_engine(cfg) if rank == 0 else None,
                       reward_fn=load_reward_fn(cfg.data.reward),
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       sync_dir=run_dir / "sync")
@@ -118,7 +168,7 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
 def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -> dict[str, float]:
     cfg = ctx.cfg
     sampler = PromptSampler(train_records, cfg.data.prompts_per_step, seed=cfg.train.seed)
-    start = _resume(ctx, sampler)
+    start, resumed = _resume(ctx, sampler)
 
     def next_prompts():
         batch = sampler.next_batch()
@@ -127,12 +177,16 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
     eval_prompts = [prompt_token_ids(r, tokenizer) for r in eval_records]
     eval_answers = [r.answer for r in eval_records]
     writer = SummaryWriter(str(Path(cfg.run_dir) / "tb")) if rank == 0 else None
-    summary = {"eval/accuracy_start": evaluate(ctx, eval_prompts, eval_answers)} if cfg.train.eval_every else {}
-    _log(writer, {"eval/accuracy": summary.get("eval/accuracy_start", 0.0)}, start)
+    summary = dict(resumed)  # a resumed run's summary continues the interrupted one's
+    if cfg.train.eval_every and not start:
+        summary["eval/accuracy_start"] = evaluate(ctx, eval_prompts, eval_answers)
+        _log(writer, {"eval/accuracy": summary["eval/accuracy_start"]}, start)
     begin = time.perf_counter()
     bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,
                total=cfg.train.steps)
     for step in bar:
+        if ctx.engine is not None:
+            ctx.engine.start_step(step)
         prompts, answers = next_prompts()
         metrics = rl_step(ctx, prompts, answers, next_prompts, step)
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
@@ -140,10 +194,10 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
         _log(writer, metrics, step)
         bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
                          ("reward/mean", "eval/accuracy", "time/rollout_s", "time/train_s") if k in metrics})
+        summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
-                            {"sampler": sampler.state_dict()})
-        summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
+                            {"sampler": sampler.state_dict(), "summary": summary})
     summary["seconds"] = time.perf_counter() - begin
     summary["hf_output"] = _export_hf(ctx, rank)
     if writer is not None:
@@ -152,16 +206,18 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
     return summary
 
 
-def _resume(ctx: StepContext, sampler: PromptSampler) -> int:
+def _resume(ctx: StepContext, sampler: PromptSampler) -> tuple[int, dict[str, float]]:
     """Continue from the newest complete checkpoint, if any: weights, optimizer, RNG, data
-    position; the rollout engine gets the restored weights. Returns the step to continue after."""
+    position; the rollout engine gets the restored weights as version `step` (what the
+    uninterrupted run's engine held). Rollout sampling needs no saved state (SeededRollouts).
+    Returns the step to continue after and the summary so far."""
     path = latest_checkpoint(ctx.cfg.checkpoint.dir)
     if path is None:
-        return 0
+        return 0, {}
     state = load_checkpoint(path, ctx.actor.model, ctx.actor.optimizer)
     sampler.load_state_dict(state["sampler"])
     sync_weights(ctx, version=state["step"])
-    return int(state["step"])
+    return int(state["step"]), dict(state.get("summary", {}))
 
 
 def _log(writer, metrics: dict[str, float], step: int) -> None:
