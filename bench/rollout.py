@@ -112,17 +112,17 @@ def run(args) -> dict[str, dict[str, float]]:
     results = {}
 
     samples, tps = _rollout(hf_dir, args, prompts)
-    results["fp32/fp32"] = {**_mismatch(samples, _trainer_logprobs(_megatron(hf_dir, mcore), samples)), "tokens_per_s": tps}
+    _record(results, "fp32/fp32", {**_mismatch(samples, _trainer_logprobs(_megatron(hf_dir, mcore), samples)), "tokens_per_s": tps})
     bf16_trainer = _megatron(hf_dir, mcore, dtype=torch.bfloat16)
     samples, tps = _rollout(hf_dir, args, prompts, dtype="bfloat16")
-    results["bf16/bf16"] = {**_mismatch(samples, _trainer_logprobs(bf16_trainer, samples)), "tokens_per_s": tps}
+    _record(results, "bf16/bf16", {**_mismatch(samples, _trainer_logprobs(bf16_trainer, samples)), "tokens_per_s": tps})
 
     export_fp8(hf_dir, work / "block", Fp8ExportOptions(scheme="block"), overwrite=True, progress=False)
     samples, tps = _rollout(work / "block", args, prompts, fp8="blockwise")
-    results["blockwise/bf16"] = {**_mismatch(samples, _trainer_logprobs(bf16_trainer, samples)), "tokens_per_s": tps}
+    _record(results, "blockwise/bf16", {**_mismatch(samples, _trainer_logprobs(bf16_trainer, samples)), "tokens_per_s": tps})
     del bf16_trainer
     block_trainer = _megatron(hf_dir, mcore, BlockwiseScaling())
-    results["blockwise/blockwise"] = {**_mismatch(samples, _trainer_logprobs(block_trainer, samples)), "tokens_per_s": tps}
+    _record(results, "blockwise/blockwise", {**_mismatch(samples, _trainer_logprobs(block_trainer, samples)), "tokens_per_s": tps})
     del block_trainer
 
     trainer = _megatron(hf_dir, mcore, CalibratedDelayedScaling())
@@ -136,8 +136,14 @@ def run(args) -> dict[str, dict[str, float]]:
         rollout_tensors(((n, t.float()) for n, t in hf_weights.items()), num_layers, "aligned", scales), version=1)
     samples, tps = _rollout(served, args, prompts, fp8="aligned", before=sync)
     assert served_scales(served)  # the start checkpoint is aligned too (the test checks it)
-    results["aligned/calibrated"] = {**_mismatch(samples, _trainer_logprobs(trainer, samples, scales)), "tokens_per_s": tps}
+    _record(results, "aligned/calibrated", {**_mismatch(samples, _trainer_logprobs(trainer, samples, scales)), "tokens_per_s": tps})
     return results
+
+
+def _record(results: dict, name: str, row: dict[str, float]) -> None:
+    """Keep a setting's figures and print them at once (a long run shows progress)."""
+    results[name] = row
+    print(f"[rollout bench] {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
 
 
 class _Prompt:
