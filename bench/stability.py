@@ -2,7 +2,7 @@
 report of plots and final figures. Same as `megatron-fp8rl stability`; the study itself lives in
 megatron_fp8rl/report/study.py (so the installed CLI has it too).
 
-    python bench/stability.py                               # all 8 settings, SmolLM2-135M, ~60 min on 2 CPU cores
+    python bench/stability.py                               # all 8 settings, SmolLM2-135M, 6 steps (~60 min, 2 quiet CPU cores)
     python bench/stability.py --settings bf16_bf16_none,calibrated_aligned_tis --steps 4
     python bench/stability.py --quick --model DIR           # smoke: 2 tiny steps per setting
     python bench/stability.py --add noisy:algorithm.correction=mis --set train.lr=2e-5

@@ -56,14 +56,15 @@ OPTIONAL = (
 
 # The job every setting runs. Dynamic sampling is off so every setting trains on the same prompt
 # stream (it draws extra prompts depending on rewards, which differ between settings).
-# Sized for <= 60 minutes for all 8 settings on a quiet 2-core CPU with SmolLM2-135M: 32
-# sequences per step (from DESIGN.md's quiet-box figures: ~5 s rollout, ~4 s recompute and ~13 s
-# train in fp32, more with an FP8 trainer, a few s sync) x 8 steps + 3 greedy evals of 32 prompts
-# + ~1 min start-up, conversion and export per setting: ~5-7 min per setting. 24 new tokens: at 16,
-# half the answers were truncated before their number (measured, response/truncated_frac 0.53).
-FULL = {"train.steps": 8, "data.prompts_per_step": 4, "rollout.n_samples": 8,
+# Sized for <= 60 minutes for all 8 settings on a quiet 2-core CPU with SmolLM2-135M (an estimate:
+# measured at load average 15-30 on 2 cores). 32 sequences per step; from DESIGN.md's quiet-box
+# figures ~5 s rollout, ~4 s recompute and ~13 s train in fp32; the smoke run measured the FP8
+# trainer's recompute and train phases at ~5x the fp32 trainer's (under equal load), so the 4
+# FP8-trainer settings dominate: ~6 x 95 s + ~2 min start-up/evals/export ~ 11 min each, the fp32
+# ones ~4.5 min. 24 new tokens: at 16, 53-78% of the answers were cut before their number.
+FULL = {"train.steps": 6, "data.prompts_per_step": 4, "rollout.n_samples": 8,
         "rollout.max_new_tokens": 24, "train.micro_batch_size": 8, "data.eval_size": 32,
-        "train.eval_every": 4}
+        "train.eval_every": 3}
 QUICK = {"train.steps": 2, "data.prompts_per_step": 2, "rollout.n_samples": 4,
          "rollout.max_new_tokens": 6, "train.micro_batch_size": 4, "data.eval_size": 8,
          "train.eval_every": 2}
