@@ -60,7 +60,12 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
             scale_b=b.scale_inv.float(),
             out_dtype=torch.float32,
         )
-    return (a.data.float() @ b.data.float().t()) * a.scale_inv.float() * b.scale_inv.float()
+    return (_dense(a) @ _dense(b).t()) * a.scale_inv.float() * b.scale_inv.float()
+
+
+def _dense(t: Fp8Tensor) -> torch.Tensor:
+    """float(t.data): the copy its producer kept (cached weights), else a fresh cast."""
+    return t.dense if t.dense is not None else t.data.float()
 
 
 def _is_per_tensor(*tensors: Fp8Tensor) -> bool:
@@ -89,6 +94,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.w_meta = (w_q.scale_inv, w_q.granularity, w_q.block, weight.dtype)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x_q.data, w_q.data)
+        # a cached weight quantization (quantizer.WeightQuantCache) carries its fp32 copies and
+        # transpose; keep the object so the backward reuses them (the cache owns the memory)
+        ctx.w_cached = w_q if w_q.dense is not None else None
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -97,7 +105,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         x_scale_inv, x_gran, x_block, x_shape, x_dtype = ctx.x_meta
         w_scale_inv, w_gran, w_block, w_dtype = ctx.w_meta
         x_q = Fp8Tensor(x_data, x_scale_inv, x_gran, x_block)
-        w_q = Fp8Tensor(w_data, w_scale_inv, w_gran, w_block)
+        w_q = ctx.w_cached
+        if w_q is None:
+            w_q = Fp8Tensor(w_data, w_scale_inv, w_gran, w_block)
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         g_q = ctx.quantizers.grad_output.quantize(dy)
         grad_x = grad_w = grad_b = None

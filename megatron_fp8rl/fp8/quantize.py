@@ -16,7 +16,7 @@ Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (tor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,11 @@ class Fp8Tensor:
     """'tensor', 'row' or 'block'."""
     block: tuple[int, int] | None = None
     """Block shape for granularity 'block'."""
+    dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Optional fp32 copy of `data` (exactly `data.float()`), kept by a producer that reuses this
+    tensor (the cached weight quantization in quantizer.py) so GEMMs skip the FP8 -> fp32 cast."""
+    transposed: "Fp8Tensor | None" = field(default=None, repr=False, compare=False)
+    """Optional precomputed `t()` (same values, kept by the same producers)."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x ≈ q * scale_inv, in `dtype`."""
@@ -57,6 +62,8 @@ class Fp8Tensor:
                 f"only 2-D per-tensor Fp8Tensors transpose exactly; found granularity "
                 f"{self.granularity!r} with shape {tuple(self.data.shape)}"
             )
+        if self.transposed is not None:
+            return self.transposed
         return Fp8Tensor(self.data.t().contiguous(), self.scale_inv, "tensor")
 
 
@@ -69,8 +76,28 @@ def amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     return absolute.amax(dim=dim, keepdim=keepdim)
 
 
+_PEAK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def cpu_finite_peak(x: torch.Tensor) -> torch.Tensor | None:
+    """max |x| in fp32 from one `aminmax` pass when x is a non-empty CPU tensor whose elements
+    are all finite (then it equals `finite_amax(x)` bit for bit: abs is exact and max |x| =
+    max(max x, -min x); `.abs()` turns a -0 peak into +0); None otherwise (some inf or NaN, an
+    empty tensor, or an accelerator tensor, where the finiteness check would be a host sync)."""
+    if x.device.type != "cpu" or x.numel() == 0 or x.dtype not in _PEAK_DTYPES:
+        return None
+    low, high = torch.aminmax(x.detach())
+    peak = torch.maximum(high.float(), low.float().neg()).abs()
+    return peak if bool(torch.isfinite(peak)) else None
+
+
 def finite_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    """max |x| over the finite elements only (0 when there are none), in fp32."""
+    """max |x| over the finite elements only (0 when there are none), in fp32 (whole-tensor
+    maxima of finite CPU tensors take `cpu_finite_peak`'s one pass, the same value)."""
+    if dim is None:
+        peak = cpu_finite_peak(x)
+        if peak is not None:
+            return peak
     absolute = x.detach().abs().float()
     absolute = torch.where(torch.isfinite(absolute), absolute, torch.zeros_like(absolute))
     if dim is None:

@@ -16,6 +16,7 @@ Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (tor
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from megatron_fp8rl.fp8.formats import Fp8Format, recipe_formats
 from megatron_fp8rl.fp8.quantize import (
     Fp8Tensor,
     amax,
+    cpu_finite_peak,
     finite_amax,
     quantize,
     quantize_blockwise,
@@ -49,6 +51,74 @@ def _per_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, recalibrat
     q = quantize(x, scale, fmt)
     stats = quantization_stats(x, scale, q, fmt, recalibrated)
     return Fp8Tensor(q, scale.reciprocal(), "tensor"), stats
+
+
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _same_bits(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """a and b hold the same values bit for bit (-0 differs from 0, equal NaN payloads match)."""
+    if a is None or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    bits = _BITS[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))
+
+
+class WeightQuantCache:
+    """The last per-tensor quantization of one weight, reused while the weight's bits and the
+    multiplying scale are unchanged (weights change only at optimizer steps, yet every forward
+    and frozen-scale recompute quantized them again: ~20 elementwise passes per layer).
+
+    Holds a copy of the weight (the key: compared bit for bit, so in-place updates through
+    `.data` or a shared buffer, which skip the version counter, still invalidate it), the
+    quantizer's local bound of it, the FP8 data, `data.float()` and the transposes the GEMMs use,
+    and the statistics. Results are exactly what quantizing afresh gives. CPU only: on an
+    accelerator the comparison would be a host sync, and FP8 GEMMs read FP8 data directly.
+    """
+
+    def __init__(self):
+        self.weight = self.bound = self.scale = self.entry = None
+
+    @staticmethod
+    def applies(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dim() == 2 and x.dtype in _BITS_FLOAT
+
+    def local_bound(self, x: torch.Tensor, compute) -> torch.Tensor:
+        """`compute(x)` (the calibration bound), reused while x is bit-identical to the cached
+        weight; always a fresh tensor (callers all-reduce it in place)."""
+        if not _same_bits(self.weight, x):
+            self.weight, self.bound = x.detach().clone(), compute(x).clone()
+            self.scale = self.entry = None
+        return self.bound.clone()
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, checked: bool = False):
+        """(data, dense, data_t, dense_t, stats without `recalibrated`) of quantize(x, scale);
+        `checked`: `local_bound(x)` has just compared x (skips a second comparison)."""
+        if not checked and not _same_bits(self.weight, x):
+            self.weight, self.bound = x.detach().clone(), None
+            self.scale = self.entry = None
+        if self.entry is None or not _same_bits(self.scale, scale.detach().float().reshape(())):
+            data = quantize(x, scale, fmt)
+            stats = quantization_stats(x, scale, data, fmt, False)
+            data_t = data.t().contiguous()
+            self.scale = scale.detach().float().reshape(()).clone()
+            self.entry = (data, data.float(), data_t, data_t.float(), stats)
+        return self.entry
+
+
+_BITS_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _cached_tensor(entry, scale_inv: torch.Tensor) -> Fp8Tensor:
+    data, dense, data_t, dense_t, _ = entry
+    transposed = Fp8Tensor(data_t, scale_inv, "tensor", dense=dense_t)
+    return Fp8Tensor(data, scale_inv, "tensor", dense=dense, transposed=transposed)
+
+
+def _cached_stats(entry, recalibrated, device) -> QuantStats:
+    return dataclasses.replace(
+        entry[4], recalibrated=torch.as_tensor(recalibrated, device=device).float()
+    )
 
 
 class CurrentQuantizer:
@@ -125,13 +195,16 @@ class CalibratedQuantizer:
         self.from_current = is_weight and spec.calibrate_weights_every_step
         self.state = DelayedScalingState(spec.amax_history_len)
         self.last_stats: QuantStats | None = None
+        self.cache = WeightQuantCache() if self.from_current else None
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
         return all_reduce_max_(values, self.group) if self.spec.reduce_amax else values
 
     def quantize(self, x: torch.Tensor) -> Fp8Tensor:
         spec, state = self.spec, _on_device(self.state, x.device)
-        bound = calibrate_bound(x, spec.criterion, self.fmt, spec.saturation_budget)
+        cache = self.cache if self.cache is not None and WeightQuantCache.applies(x) else None
+        calibrate = lambda t: calibrate_bound(t, spec.criterion, self.fmt, spec.saturation_budget)  # noqa: E731
+        bound = calibrate(x) if cache is None else cache.local_bound(x, calibrate)
         if self.from_current:
             bound = self._reduce(bound.reshape(1))[0]
             recalibrate = torch.ones((), dtype=torch.bool, device=x.device)
@@ -145,7 +218,12 @@ class CalibratedQuantizer:
             recalibrate = (decision[2] > 0) | (decision[1] > spec.overflow_tolerance)
         fresh = scale_from_bound(bound, self.fmt.max, spec.margin, state.scale)
         scale = torch.where(recalibrate, fresh, state.scale)
-        result, self.last_stats = _per_tensor(x, scale, self.fmt, recalibrated=recalibrate)
+        if cache is not None:
+            entry = cache.quantize(x, scale, self.fmt, checked=True)
+            result = _cached_tensor(entry, scale.reciprocal())
+            self.last_stats = _cached_stats(entry, recalibrate, x.device)
+        else:
+            result, self.last_stats = _per_tensor(x, scale, self.fmt, recalibrated=recalibrate)
         state.record(bound)
         if self.from_current:
             state.scale = scale
@@ -155,7 +233,13 @@ class CalibratedQuantizer:
         return result
 
     def _overflow(self, x: torch.Tensor) -> torch.Tensor:
-        """Fraction of x that would saturate under the predicted scale."""
+        """Fraction of x that would saturate under the predicted scale (0 without a pass over x
+        when a finite CPU x's peak does not saturate: fl(|x| * s) is monotone in |x|)."""
+        scale = self.state.scale
+        peak = cpu_finite_peak(x)
+        if peak is not None and bool(torch.isfinite(scale) & (scale > 0)):
+            if not bool(peak * scale.float() > self.fmt.rounding_limit):
+                return torch.zeros((), dtype=torch.float32, device=x.device)
         scaled = (x.detach().float() * self.state.scale).abs()
         saturated = (torch.isfinite(scaled) & (scaled > self.fmt.rounding_limit)).sum()
         return saturated.float() / max(x.numel(), 1)
@@ -171,11 +255,18 @@ class StaticQuantizer:
     """Per-tensor quantization with a fixed dequant multiplier `scale_inv` (fp8 quantize.py
     `quantize_with_scale_inv`); records statistics but never updates any state."""
 
-    def __init__(self, fmt: Fp8Format, scale_inv: torch.Tensor):
+    def __init__(self, fmt: Fp8Format, scale_inv: torch.Tensor, cache: WeightQuantCache | None = None):
         self.fmt, self.scale_inv = fmt, scale_inv.detach().float().reshape(())
         self.last_stats: QuantStats | None = None
+        self.cache = cache
+        """A weight's WeightQuantCache (shared with its calibrated quantizer), or None."""
 
     def quantize(self, x: torch.Tensor) -> Fp8Tensor:
+        if self.cache is not None and WeightQuantCache.applies(x):
+            scale_inv = self.scale_inv.to(x.device)
+            entry = self.cache.quantize(x, scale_inv.reciprocal(), self.fmt)
+            self.last_stats = _cached_stats(entry, False, x.device)
+            return _cached_tensor(entry, scale_inv)
         result = quantize_with_scale_inv(x, self.scale_inv.to(x.device), self.fmt)
         self.last_stats = quantization_stats(x, result.scale_inv.reciprocal(), result.data, self.fmt,
                                              recalibrated=False)
@@ -218,8 +309,9 @@ def frozen_quantizers(
     """Quantizers that quantize the weight and the input with these fixed dequant multipliers
     (the grad_output quantizer is kept); for passes that must reproduce a rollout's FP8 exactly."""
     forward = quantizers.weight.fmt
+    cache = getattr(quantizers.weight, "cache", None)
     return Fp8Quantizers(StaticQuantizer(forward, input_scale_inv),
-                         StaticQuantizer(forward, weight_scale_inv), quantizers.grad_output)
+                         StaticQuantizer(forward, weight_scale_inv, cache), quantizers.grad_output)
 
 
 def _on_device(state: DelayedScalingState, device: torch.device) -> DelayedScalingState:

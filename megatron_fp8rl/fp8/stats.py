@@ -1,7 +1,7 @@
 """Per-quantizer statistics, cheap enough to log every step.
 
 Owns: `QuantStats` and `quantization_stats`, computed from the high-precision tensor x, the scale
-it was quantized with and the FP8 result q (one elementwise pass, no host sync):
+it was quantized with and the FP8 result q (elementwise passes, no host sync on accelerators):
 - bound: the value mapped to fp8_max, fp8_max / scale (the largest one for row/block scales);
 - scale: the scale (the smallest one for row/block scales);
 - saturated_fraction: finite elements clipped by saturation, |x * scale| > fmt.rounding_limit
@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from megatron_fp8rl.fp8.formats import Fp8Format
+from megatron_fp8rl.fp8.quantize import cpu_finite_peak
 
 
 @dataclass
@@ -48,7 +49,54 @@ def quantization_stats(
     fmt: Fp8Format,
     recalibrated: bool | torch.Tensor = False,
 ) -> QuantStats:
-    """Statistics of q = quantize(x, scale, fmt); `scale` broadcasts against x (any shape)."""
+    """Statistics of q = quantize(x, scale, fmt); `scale` broadcasts against x (any shape).
+
+    A finite CPU tensor with one positive scale takes `_per_tensor_cpu_stats` (the same values
+    from ~3 cheap passes instead of ~12); everything else `reference_stats`."""
+    fast = _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated)
+    return fast if fast is not None else reference_stats(x, scale, q, fmt, recalibrated)
+
+
+def _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated) -> QuantStats | None:
+    """`reference_stats` for a CPU x with no inf/NaN and one finite positive scale, else None.
+
+    With every x finite: saturated = #(|x * s| > limit), and since fl(|x| * s) is monotone in |x|
+    it is 0 whenever fl(max|x| * s) <= limit (else counted); x == 0 gives q == 0, so
+    underflow = #(q == 0) - #(x == 0), counted on q's bytes (FP8 zero is 0x00 / 0x80)."""
+    if scale.numel() != 1 or q.shape != x.shape or q.element_size() != 1:
+        return None
+    peak = cpu_finite_peak(x)
+    s = scale.detach().float().reshape(())
+    if peak is None or not bool(torch.isfinite(s) & (s > 0)):
+        return None
+    x = x.detach()
+    total = x.numel()
+    if bool(peak * s > fmt.rounding_limit):
+        saturated = ((x.float() * s).abs() > fmt.rounding_limit).sum()
+    else:
+        saturated = torch.zeros((), dtype=torch.int64)
+    x_zeros = total - torch.count_nonzero(x)
+    q_zeros = total - torch.count_nonzero(q.view(torch.uint8) & 0x7F)
+    nonzero = total - x_zeros
+    smallest_scale = scale.float().min()
+    return QuantStats(
+        bound=fmt.max / smallest_scale,
+        scale=smallest_scale,
+        saturated_fraction=saturated.float() / total,
+        underflow_fraction=(q_zeros - x_zeros).float() / nonzero.clamp(min=1).float(),
+        nonfinite_count=torch.zeros((), dtype=torch.int64),
+        recalibrated=torch.as_tensor(recalibrated, device=x.device).float(),
+    )
+
+
+def reference_stats(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    q: torch.Tensor,
+    fmt: Fp8Format,
+    recalibrated: bool | torch.Tensor = False,
+) -> QuantStats:
+    """`quantization_stats` by the definition, elementwise (the oracle of the fast path)."""
     x = x.detach().float()
     finite = torch.isfinite(x)
     scaled = (x * scale.float()).abs()
