@@ -136,6 +136,14 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tens
     return scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # in place: `scaled` is ours
 
 
+def quantize_finite(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, peak: torch.Tensor) -> torch.Tensor:
+    """`quantize(x, scale, fmt)` for an x whose `cpu_finite_peak` is `peak`: the saturating clamp
+    is skipped when fl(peak * scale) <= fp8_max, where it is the identity (same result)."""
+    if scale.numel() == 1 and bool(peak * scale.float() <= fmt.max):
+        return (x.float() * scale.float()).to(fmt.dtype)
+    return quantize(x, scale, fmt)
+
+
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """x ≈ float(q) * scale_inv, fp32; `scale_inv` broadcasts against q."""
     return q.float() * scale_inv.float()

@@ -31,6 +31,7 @@ from megatron_fp8rl.fp8.quantize import (
     finite_amax,
     quantize,
     quantize_blockwise,
+    quantize_finite,
     quantize_with_scale_inv,
     scale_from_bound,
 )
@@ -46,10 +47,11 @@ RECIPE_TYPES = (
 )
 
 
-def _per_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, recalibrated):
-    """Quantize x with one scale; returns (Fp8Tensor, QuantStats)."""
-    q = quantize(x, scale, fmt)
-    stats = quantization_stats(x, scale, q, fmt, recalibrated)
+def _per_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, recalibrated, peak=None):
+    """Quantize x with one scale; returns (Fp8Tensor, QuantStats). `peak`: cpu_finite_peak(x)
+    when known (then the CPU fast paths skip their own pass over x)."""
+    q = quantize(x, scale, fmt) if peak is None else quantize_finite(x, scale, fmt, peak)
+    stats = quantization_stats(x, scale, q, fmt, recalibrated, peak=peak)
     return Fp8Tensor(q, scale.reciprocal(), "tensor"), stats
 
 
@@ -204,7 +206,12 @@ class CalibratedQuantizer:
         spec, state = self.spec, _on_device(self.state, x.device)
         cache = self.cache if self.cache is not None and WeightQuantCache.applies(x) else None
         calibrate = lambda t: calibrate_bound(t, spec.criterion, self.fmt, spec.saturation_budget)  # noqa: E731
-        bound = calibrate(x) if cache is None else cache.local_bound(x, calibrate)
+        peak = None
+        if cache is None:
+            peak = cpu_finite_peak(x)  # = finite_amax(x): the 'max' bound, reused by the checks
+            bound = peak.clone() if peak is not None and spec.criterion == "max" else calibrate(x)
+        else:
+            bound = cache.local_bound(x, calibrate)
         if self.from_current:
             bound = self._reduce(bound.reshape(1))[0]
             recalibrate = torch.ones((), dtype=torch.bool, device=x.device)
@@ -213,7 +220,7 @@ class CalibratedQuantizer:
             # enough: with amax_history_len=1 the roll empties it after every step, which made
             # every step recalibrate (bench/fp8_recipes.py: 100% recalibrated).
             no_bound = ((state.amax_history.amax() <= 0) & (state.scale == 1.0)).float()
-            decision = self._reduce(torch.stack([bound, self._overflow(x), no_bound]))
+            decision = self._reduce(torch.stack([bound, self._overflow(x, peak), no_bound]))
             bound = decision[0]
             recalibrate = (decision[2] > 0) | (decision[1] > spec.overflow_tolerance)
         fresh = scale_from_bound(bound, self.fmt.max, spec.margin, state.scale)
@@ -223,7 +230,7 @@ class CalibratedQuantizer:
             result = _cached_tensor(entry, scale.reciprocal())
             self.last_stats = _cached_stats(entry, recalibrate, x.device)
         else:
-            result, self.last_stats = _per_tensor(x, scale, self.fmt, recalibrated=recalibrate)
+            result, self.last_stats = _per_tensor(x, scale, self.fmt, recalibrate, peak)
         state.record(bound)
         if self.from_current:
             state.scale = scale
@@ -232,11 +239,11 @@ class CalibratedQuantizer:
             state.update("max", self.fmt.max, spec.margin, reduce=False)  # reduced above
         return result
 
-    def _overflow(self, x: torch.Tensor) -> torch.Tensor:
+    def _overflow(self, x: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Tensor:
         """Fraction of x that would saturate under the predicted scale (0 without a pass over x
         when a finite CPU x's peak does not saturate: fl(|x| * s) is monotone in |x|)."""
         scale = self.state.scale
-        peak = cpu_finite_peak(x)
+        peak = cpu_finite_peak(x) if peak is None else peak
         if peak is not None and bool(torch.isfinite(scale) & (scale > 0)):
             if not bool(peak * scale.float() > self.fmt.rounding_limit):
                 return torch.zeros((), dtype=torch.float32, device=x.device)

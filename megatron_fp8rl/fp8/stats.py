@@ -48,16 +48,18 @@ def quantization_stats(
     q: torch.Tensor,
     fmt: Fp8Format,
     recalibrated: bool | torch.Tensor = False,
+    peak: torch.Tensor | None = None,
 ) -> QuantStats:
     """Statistics of q = quantize(x, scale, fmt); `scale` broadcasts against x (any shape).
+    `peak`: `cpu_finite_peak(x)` when the caller has it already (saves a pass).
 
     A finite CPU tensor with one positive scale takes `_per_tensor_cpu_stats` (the same values
     from ~3 cheap passes instead of ~12); everything else `reference_stats`."""
-    fast = _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated)
+    fast = _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated, peak)
     return fast if fast is not None else reference_stats(x, scale, q, fmt, recalibrated)
 
 
-def _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated) -> QuantStats | None:
+def _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated, peak=None) -> QuantStats | None:
     """`reference_stats` for a CPU x with no inf/NaN and one finite positive scale, else None.
 
     With every x finite: saturated = #(|x * s| > limit), and since fl(|x| * s) is monotone in |x|
@@ -65,7 +67,7 @@ def _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated) -> QuantStats | None:
     underflow = #(q == 0) - #(x == 0), counted on q's bytes (FP8 zero is 0x00 / 0x80)."""
     if scale.numel() != 1 or q.shape != x.shape or q.element_size() != 1:
         return None
-    peak = cpu_finite_peak(x)
+    peak = cpu_finite_peak(x) if peak is None else peak
     s = scale.detach().float().reshape(())
     if peak is None or not bool(torch.isfinite(s) & (s > 0)):
         return None
@@ -75,8 +77,9 @@ def _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated) -> QuantStats | None:
         saturated = ((x.float() * s).abs() > fmt.rounding_limit).sum()
     else:
         saturated = torch.zeros((), dtype=torch.int64)
-    x_zeros = total - torch.count_nonzero(x)
     q_zeros = total - torch.count_nonzero(q.view(torch.uint8) & 0x7F)
+    # x == 0 gives q == 0: without zeros in q there are none in x, and no pass over x is needed
+    x_zeros = total - torch.count_nonzero(x) if bool(q_zeros > 0) else q_zeros
     nonzero = total - x_zeros
     smallest_scale = scale.float().min()
     return QuantStats(
