@@ -10,6 +10,12 @@ Settings (rollout / trainer; every rollout samples the same prompts at temperatu
 - aligned/calibrated   the aligned rollout (trainer/rollout_fp8.py: start checkpoint, then a sync
                   with the trainer's FP8 weights and scales after a calibrating forward) vs the
                   calibrated FP8 trainer recomputing with the served scales frozen
+- ulp-noise floor  no rollout: the same frozen-scale trainer against itself with every FP8 linear's
+                  input multiplied by 1 + {-1, 0, 1} * 2**-23 (random). That is the size of the
+                  fp32 arithmetic differences left between SGLang's torch_native path and Megatron's
+                  local spec (attention output ~1e-7 relative; measured per linear on SmolLM2),
+                  and FP8 rounding amplifies them through the 30 layers (DESIGN hazard 3): the
+                  floor an aligned rollout reaches without bit-identical pre-quantization math.
 Mismatch per setting over all sampled tokens (rl.metrics.mismatch_metrics): mean |delta logp|,
 k3 KL(rollout || trainer), exp(mean |delta logp|). Throughput: generated tokens / generate seconds
 (engine start excluded), as a ratio to fp32 measured in the same run. The box is shared and noisy:
@@ -51,9 +57,18 @@ def _megatron(hf_dir: Path, mcore: Path, recipe=None, dtype=torch.float32):
 
 
 @torch.no_grad()
-def _trainer_logprobs(model, samples, scales=None) -> torch.Tensor:
-    from megatron_fp8rl.compat.megatron_fp8_linear import frozen_fp8_scales
+def _trainer_logprobs(model, samples, scales=None, ulp_noise=False) -> torch.Tensor:
+    """Logprobs of the sampled tokens; `ulp_noise`: each FP8 linear's input times
+    1 + {-1, 0, 1} * 2**-23 (seeded), the size of SGLang's remaining fp32 differences."""
+    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_decoder_linears, frozen_fp8_scales
 
+    generator = torch.Generator().manual_seed(0)
+
+    def perturb(module, args):
+        noise = torch.randint(-1, 2, args[0].shape, generator=generator).to(args[0].dtype)
+        return (args[0] * (1 + 2.0**-23 * noise),) + tuple(args[1:])
+
+    hooks = [m.register_forward_pre_hook(perturb) for _, _, m in fp8_decoder_linears(model)] if ulp_noise else []
     out = []
     for s in samples:
         tokens = torch.tensor([s.prompt_token_ids + s.token_ids])
@@ -61,13 +76,19 @@ def _trainer_logprobs(model, samples, scales=None) -> torch.Tensor:
             logits = model(tokens, torch.arange(tokens.shape[1])[None], None)[0].float()
         logprobs = torch.log_softmax(logits[len(s.prompt_token_ids) - 1:-1], dim=-1)
         out.append(logprobs.gather(1, torch.tensor(s.token_ids)[:, None])[:, 0])
+    for hook in hooks:
+        hook.remove()
     return torch.cat(out)
 
 
 def _mismatch(samples, trainer_logprobs: torch.Tensor) -> dict[str, float]:
+    return _mismatch_of(trainer_logprobs, torch.tensor([lp for s in samples for lp in s.logprobs]))
+
+
+def _mismatch_of(trainer_logprobs: torch.Tensor, rollout: torch.Tensor) -> dict[str, float]:
     from megatron_fp8rl.rl.metrics import mismatch_metrics
 
-    rollout = torch.tensor([lp for s in samples for lp in s.logprobs])[None]
+    rollout = rollout[None]
     metrics = mismatch_metrics(trainer_logprobs[None], rollout, torch.ones_like(rollout))
     return {k: float(metrics[f"mismatch_{k}"]) for k in ("abs_logprob_diff_mean", "k3_kl", "prob_error")}
 
@@ -137,6 +158,9 @@ def run(args) -> dict[str, dict[str, float]]:
     samples, tps = _rollout(served, args, prompts, fp8="aligned", before=sync)
     assert served_scales(served)  # the start checkpoint is aligned too (the test checks it)
     _record(results, "aligned/calibrated", {**_mismatch(samples, _trainer_logprobs(trainer, samples, scales)), "tokens_per_s": tps})
+    noisy = _trainer_logprobs(trainer, samples, scales, ulp_noise=True)
+    _record(results, "ulp-noise floor", {**_mismatch_of(noisy, _trainer_logprobs(trainer, samples, scales)),
+                                         "tokens_per_s": float("nan")})
     return results
 
 
