@@ -22,6 +22,9 @@ is not per-tensor (blockwise recipes: `_scaled_mm` on CPU rejects 128x128 block 
 1x128 activation groups split the wgrad's contraction dimension), that GEMM runs as dequantize +
 fp32 matmul of the same FP8 values. The weight stays a high-precision (FP32/BF16) master
 parameter; the FP8 copies of x and W saved for the backward are 1 byte per element.
+Speed on CPU (bench/fp8_linear_speed.py): a calibrated or frozen-scale weight's quantization is
+cached (quantizer.WeightQuantCache) with its fp32 copy and transpose, which 'fp32_accumulate'
+uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values).
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only).
 """
 from __future__ import annotations

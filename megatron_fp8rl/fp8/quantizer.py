@@ -10,6 +10,11 @@ backward format) and their scaling state; `make_quantizers(recipe, group)` picks
                          mode (`frozen_quantizers`) in which the trainer recomputes logprobs with
                          exactly the bounds the rollout engine served (`next_scale` reads them).
 Every `quantize` leaves `last_stats` (stats.QuantStats) for logging.
+CPU speed: a calibrated weight quantizer (and the frozen StaticQuantizer built from it) reuses its
+last quantization while the weight is bit-identical and the scale unchanged (`WeightQuantCache`,
+14 bytes of memory per fp32 weight element, 3.5x the weight: a copy of it, the FP8 data, its fp32
+copy and their transposes); activation quantizations share one aminmax pass (fast paths in
+quantize.py / stats.py). Results are bit-identical to the plain path (tests/fp8/test_fast_paths.py).
 Collectives: with a group of more than one rank, each `quantize` of a delayed or calibrated
 quantizer all-reduces once, so every rank must quantize the same roles in the same order.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only).
