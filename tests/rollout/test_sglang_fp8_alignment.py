@@ -83,8 +83,9 @@ def _generate(model_dir, fp8: str, **overrides):
     return engine
 
 
-def test_aligned_rollout_equals_fp8_trainer(megatron_tp1, tiny_dirs, tmp_path):
-    hf_dir = tiny_dirs["qwen3"]
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # llama: SmolLM2's architecture
+def test_aligned_rollout_equals_fp8_trainer(megatron_tp1, tiny_dirs, tmp_path, family):
+    hf_dir = tiny_dirs[family]
     model = _megatron(hf_dir, tmp_path, CalibratedDelayedScaling())
     prompts = [" ".join(f"w{t}" for t in p) for p in PROMPTS]
     served = prepare_rollout_checkpoint(hf_dir, tmp_path / "rollout", "aligned", "static", "calibrated", prompts)
