@@ -94,8 +94,10 @@ class WeightQuantCache:
         """`compute(x)` (the calibration bound), reused while x is bit-identical to the cached
         weight; always a fresh tensor (callers all-reduce it in place)."""
         if not _same_bits(self.weight, x):
-            self.weight, self.bound = x.detach().clone(), compute(x).clone()
+            self.weight, self.bound = x.detach().clone(), None
             self.scale = self.entry = None
+        if self.bound is None:  # also after a frozen-scale quantizer sharing this cache saw x first
+            self.bound = compute(x).clone()
         return self.bound.clone()
 
     def quantize(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, checked: bool = False):
