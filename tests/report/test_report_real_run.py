@@ -9,12 +9,11 @@ import json
 import re
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_fp8rl.report.study import main as stability_main
 from tests.report.test_report_synthetic import assert_png
-from tests.rollout.tiny_models import build_tiny_model
+from tests.rollout.tiny_models import build_tiny_rl_inputs
 
 SETTINGS = ("bf16_bf16_none", "fp8trainer")
 FIGURES = ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions")
@@ -23,13 +22,7 @@ FIGURES = ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions")
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
-    model = build_tiny_model("llama", root / "model")
-    generator = torch.Generator().manual_seed(0)
-    with open(root / "prompts.jsonl", "w") as handle:
-        for _ in range(16):
-            words = " ".join(f"w{int(i)}" for i in torch.randint(3, 128, (4,), generator=generator))
-            handle.write(json.dumps({"prompt": words, "answer": "w4"}) + "\n")
-    prompts = root / "prompts.jsonl"
+    model, prompts = build_tiny_rl_inputs(root)
     code = stability_main([
         "--quick", "--study-dir", str(root / "study"), "--model", str(model),
         "--settings", ",".join(SETTINGS),

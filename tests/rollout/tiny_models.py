@@ -6,6 +6,7 @@ both transformers and SGLang load. Prompts are token ids, so the tokenizer only 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -59,6 +60,19 @@ def build_tiny_model(family: str, out_dir: Path, seed: int | None = None) -> Pat
     model.save_pretrained(out_dir, safe_serialization=True)
     tiny_tokenizer().save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def build_tiny_rl_inputs(root: Path) -> tuple[Path, Path]:
+    """A tiny random Llama and a 16-row JSONL of 4-word prompts (answer "w4") under `root`, for
+    short end-to-end RL runs; returns (model folder, prompt file)."""
+    model = build_tiny_model("llama", root / "model")
+    generator = torch.Generator().manual_seed(0)
+    prompts = root / "prompts.jsonl"
+    with open(prompts, "w") as handle:
+        for _ in range(16):
+            words = " ".join(f"w{int(i)}" for i in torch.randint(3, 128, (4,), generator=generator))
+            handle.write(json.dumps({"prompt": words, "answer": "w4"}) + "\n")
+    return model, prompts
 
 
 def _spread_weights(model: torch.nn.Module, seed: int) -> None:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.rollout.tiny_models import build_tiny_model
+from tests.rollout.tiny_models import build_tiny_rl_inputs
 from tests.torchrun import run_torchrun
 
 CLI = Path(__file__).resolve().parents[2] / "megatron_fp8rl" / "cli.py"
@@ -23,13 +23,7 @@ CLI = Path(__file__).resolve().parents[2] / "megatron_fp8rl" / "cli.py"
 @pytest.fixture(scope="module")
 def tiny_run_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
-    model = build_tiny_model("llama", root / "model")
-    generator = torch.Generator().manual_seed(0)
-    with open(root / "prompts.jsonl", "w") as handle:
-        for _ in range(16):
-            words = " ".join(f"w{int(i)}" for i in torch.randint(3, 128, (4,), generator=generator))
-            handle.write(json.dumps({"prompt": words, "answer": "w4"}) + "\n")
-    return model, root / "prompts.jsonl"
+    return build_tiny_rl_inputs(root)
 
 
 def _train(inputs, run_dir: Path, nproc: int, *overrides: str) -> dict:
