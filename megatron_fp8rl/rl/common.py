@@ -75,3 +75,15 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Σ values·mask / Σ mask over `dim`; 0 where the mask is empty (not NaN)."""
     return masked_sum(values, mask, dim) / masked_sum(torch.ones_like(values), mask, dim).clamp(min=1)
+
+
+def checked_log_ratio(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                      response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Δ, mask): Δ = log π_train − log π_rollout, detached fp32 [B, T], and the response mask as
+    floats, after checking the three are [B, T] of one shape."""
+    check_ndim("train_logprobs", train_logprobs, 2, "[B, T]")
+    check_same_shape("train_logprobs", train_logprobs, rollout_logprobs=rollout_logprobs,
+                     response_mask=response_mask)
+    delta = (train_logprobs.detach() - rollout_logprobs.detach()).float()
+    return delta, float_mask("response_mask", response_mask, delta)
+

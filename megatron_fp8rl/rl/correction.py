@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_fp8rl.rl.common import RLInputError, check_ndim, check_same_shape, float_mask, masked_mean
+from megatron_fp8rl.rl.common import RLInputError, checked_log_ratio, float_mask, masked_mean
 
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 _LOG_RATIO_LIMIT = 30.0  # exp(30) ~ 1e13: beyond any cap or band, finite in fp32.
@@ -47,13 +47,9 @@ def importance_log_ratio(
     level: str = "token",
 ) -> torch.Tensor:
     """log ρ at the requested level, [B, T], detached and clamped to ±30 (see module docstring)."""
-    check_ndim("train_logprobs", train_logprobs, 2, "[B, T]")
-    check_same_shape("train_logprobs", train_logprobs, rollout_logprobs=rollout_logprobs,
-                     response_mask=response_mask)
+    delta, mask = checked_log_ratio(train_logprobs, rollout_logprobs, response_mask)
     if level not in CORRECTION_LEVELS:
         raise RLInputError(f"unknown correction level {level!r}; choose one of {CORRECTION_LEVELS}")
-    delta = (train_logprobs.detach() - rollout_logprobs.detach()).float()
-    mask = float_mask("response_mask", response_mask, delta)
     if level == "token":
         log_ratio = delta
     else:

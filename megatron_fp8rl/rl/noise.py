@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_fp8rl.rl.common import RLInputError, check_ndim, check_same_shape, float_mask, masked_mean
+from megatron_fp8rl.rl.common import RLInputError, check_same_shape, checked_log_ratio, float_mask, masked_mean
 from megatron_fp8rl.rl.losses import sequence_ratio, token_ratio
 from megatron_fp8rl.rl.metrics import _masked_quantiles  # one quantile implementation in rl/
 
@@ -101,13 +101,9 @@ def estimate_noise(
     `train_logprobs` must be log π_old (no update yet): recomputed old logprobs, or the detached
     logprobs of the update's first forward. Inputs [B, T]; detached; returns a `NoiseFloor`.
     """
-    check_ndim("train_logprobs", train_logprobs, 2, "[B, T]")
-    check_same_shape("train_logprobs", train_logprobs, rollout_logprobs=rollout_logprobs,
-                     response_mask=response_mask)
+    delta, mask = checked_log_ratio(train_logprobs, rollout_logprobs, response_mask)
     if level not in NOISE_LEVELS:
         raise RLInputError(f"unknown noise level {level!r}; choose one of {NOISE_LEVELS}")
-    delta = (train_logprobs.detach() - rollout_logprobs.detach()).float()
-    mask = float_mask("response_mask", response_mask, delta)
     if level == "sequence":
         has_tokens = mask.sum(dim=1) > 0
         delta, mask = masked_mean(delta, mask, dim=1)[:, None], has_tokens.float()[:, None]
