@@ -97,3 +97,22 @@ def test_release_and_resume_are_no_ops_on_cpu(engine):
     engine.release_memory()
     engine.resume_memory()
     assert engine.health()
+
+
+def test_idle_engine_leaves_the_cpu_to_the_trainer(engine):
+    """Colocated on CPU the trainer computes while SGLang idles: an idle scheduler must sleep,
+    not busy-poll its sockets on a whole core (SGLang's default; sleep_on_idle turns it off)."""
+    import time
+
+    import psutil
+
+    engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=2))
+    children = [psutil.Process(pid) for pid in engine._child_pids]
+    time.sleep(1.0)  # let the scheduler reach its idle loop
+    before = [sum(p.cpu_times()[:2]) for p in children]
+    started = time.monotonic()
+    time.sleep(3.0)
+    elapsed = time.monotonic() - started
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(children, before)]
+    # busy-polling costs ~1 CPU-second per second; sleeping costs a few milliseconds
+    assert max(used) < 0.25 * elapsed, f"idle SGLang children used {used} CPU-seconds in {elapsed:.1f} s"
