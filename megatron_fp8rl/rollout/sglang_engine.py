@@ -12,6 +12,10 @@ SGLang 0.5.23 behaviours handled here (measured on CPU):
   `RolloutEngineError` on the pending call and every later one.
 - `Engine.shutdown()` kills *every* child of the host process (a trainer's checkpoint manager or a
   second engine too); `shutdown` here kills only the children this engine started.
+- The scheduler binds its torch.distributed port (picked at random in 22000-29999 by the parent,
+  free at that moment) only seconds later; another process can take it in between, and the
+  scheduler then dies during initialization. Start-up retries that failure (START_ATTEMPTS) with
+  fresh ports.
 - `sglang.Engine` switches multiprocessing to "spawn" for the whole host process, and this class
   sets SGLANG_RETURN_ORIGINAL_LOGPROB=1 (DESIGN.md hazard 1) in the host's environment, which its
   children inherit.
@@ -19,6 +23,7 @@ SGLang 0.5.23 behaviours handled here (measured on CPU):
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 from typing import Iterable
 
@@ -40,6 +45,13 @@ from megatron_fp8rl.rollout.sglang_common import (
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
 
 
+logger = logging.getLogger(__name__)
+
+START_ATTEMPTS = 3
+"""Start-up attempts when SGLang's scheduler dies during initialization (a port race; see above)."""
+_RETRIED_START_FAILURE = "scheduler died during initialization"
+
+
 class SGLangEngine:
     """`RolloutEngine` backed by `sglang.Engine` in this process."""
 
@@ -58,16 +70,24 @@ class SGLangEngine:
         if self.config.resolved_device() == "cpu":
             sglang_cpu.install()
         os.environ.update(ENGINE_ENV)
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
-        try:
-            self._engine = sglang_cpu.start_engine({**engine_kwargs(self.config), "custom_sigquit_handler": self._on_signal})
-        except BaseException as err:
-            self._child_pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
-            self._kill_children()
-            raise RolloutEngineError(
-                f"SGLang could not start on model directory {self.config.model_path}: "
-                f"{type(err).__name__}: {err}{self._failure_note()}"
-            ) from err
+        for attempt in range(1, START_ATTEMPTS + 1):
+            before = {p.pid for p in psutil.Process().children(recursive=True)}
+            try:
+                self._engine = sglang_cpu.start_engine({**engine_kwargs(self.config), "custom_sigquit_handler": self._on_signal})
+                break
+            except BaseException as err:
+                self._child_pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
+                self._kill_children()
+                if attempt < START_ATTEMPTS and _RETRIED_START_FAILURE in str(err):
+                    logger.warning("SGLang start-up attempt %d/%d failed (%s%s); retrying with fresh ports",
+                                   attempt, START_ATTEMPTS, err, self._failure_note())
+                    self._failure = None
+                    continue
+                raise RolloutEngineError(
+                    f"SGLang could not start on model directory {self.config.model_path}"
+                    f"{f' (attempt {attempt} of {START_ATTEMPTS})' if attempt > 1 else ''}: "
+                    f"{type(err).__name__}: {err}{self._failure_note()}"
+                ) from err
         self._child_pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
         sglang_cpu.contain_child_failures(self._engine, self._on_child_failure)
 

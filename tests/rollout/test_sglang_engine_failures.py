@@ -54,3 +54,33 @@ def test_child_crash_is_contained_to_a_clear_error(tiny_dirs):
             engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4))
     finally:
         engine.shutdown()
+
+
+def test_start_retries_when_another_process_takes_the_scheduler_port(tiny_dirs, monkeypatch):
+    """The parent picks the scheduler's torch.distributed port; when another process holds it by
+    the time the scheduler binds it (the race behind a start-up flake seen in CI), the scheduler
+    dies during initialization and start-up retries with a fresh port."""
+    import socket
+
+    import sglang.srt.server_args as server_args
+
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    picked = []
+    real = server_args.get_free_port_below_ephemeral
+
+    def first_one_taken(*args, **kwargs):
+        port = taken if not picked else real(*args, **kwargs)
+        picked.append(port)
+        return port
+
+    monkeypatch.setattr(server_args, "get_free_port_below_ephemeral", first_one_taken)
+    try:
+        with SGLangEngine(sglang_config(tiny_dirs["qwen3"])) as engine:
+            samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4))
+    finally:
+        holder.close()
+    assert picked[0] == taken and len(picked) == 2
+    assert all(len(s.token_ids) == 4 for s in samples)
