@@ -1,6 +1,7 @@
 """The built-in arithmetic task: generated problems with deterministic train/eval splits.
 
-Owns: the problem universe (2-digit addition and subtraction, 1-digit multiplication), the split
+Owns: the problem universe (2-digit addition and subtraction, 1-digit multiplication, 2-digit by
+1-digit multiplication), the split
 rule and the prompt wording. Must not import: models, convert, rollout, trainer, cli.
 
 Split rule: a problem belongs to `eval` when the first byte of sha256("a op b") is < 256 *
@@ -17,6 +18,11 @@ OPERATIONS = {
     "add": ("+", range(10, 100), range(10, 100), lambda a, b: a + b),
     "sub": ("-", range(10, 100), range(10, 100), lambda a, b: a - b),
     "mul": ("*", range(1, 10), range(1, 10), lambda a, b: a * b),
+    # 2-digit by 1-digit products, both orders (1,440 problems, ~290 held out): the CPU demo's
+    # task. SmolLM2-135M-Instruct gets ~30% of them greedily and ~5-10% of its temperature-1
+    # samples (many answers are right but verbose and cut off), so RL has signal to learn from;
+    # it gets ~3% of 2-digit additions, too few rewards for a 12-step demo.
+    "mul2": ("*", range(10, 100), range(2, 10), lambda a, b: a * b),
 }
 SPLITS = ("train", "eval")
 EVAL_FRACTION = 0.2
@@ -37,13 +43,15 @@ def problem_universe(ops: tuple[str, ...], split: str) -> list[PromptRecord]:
     records = []
     for op in ops:
         sign, left, right, result = OPERATIONS[op]
-        for a in left:
-            for b in right:
-                text = f"{a}{sign}{b}"
-                if _is_eval(text) == (split == "eval"):
-                    records.append(PromptRecord(
-                        messages=({"role": "user", "content": PROMPT.format(a=a, sign=sign, b=b)},),
-                        answer=str(result(a, b)), id=f"{op}:{text}"))
+        pairs = [(a, b) for a in left for b in right]
+        if op == "mul2":
+            pairs += [(b, a) for a, b in pairs]
+        for a, b in pairs:
+            text = f"{a}{sign}{b}"
+            if _is_eval(text) == (split == "eval"):
+                records.append(PromptRecord(
+                    messages=({"role": "user", "content": PROMPT.format(a=a, sign=sign, b=b)},),
+                    answer=str(result(a, b)), id=f"{op}:{text}"))
     return records
 
 

@@ -54,22 +54,23 @@ OPTIONAL = (
                                      "algorithm.correction=tis", "algorithm.noise_correction=true")),
 )
 
-# The job every setting runs. Dynamic sampling is off so every setting trains on the same prompt
-# stream (it draws extra prompts depending on rewards, which differ between settings).
-# Sized for <= 60 minutes for all 8 settings on a quiet 2-core CPU with SmolLM2-135M (an estimate:
-# measured at load average 15-30 on 2 cores). 32 sequences per step; from DESIGN.md's quiet-box
-# figures ~5 s rollout, ~4 s recompute and ~13 s train in fp32; the smoke run measured the FP8
-# trainer's recompute and train phases at ~5x the fp32 trainer's (under equal load), so the 4
-# FP8-trainer settings dominate: ~6 x 95 s + ~2 min start-up/evals/export ~ 11 min each, the fp32
-# ones ~4.5 min. 24 new tokens: at 16, 53-78% of the answers were cut before their number.
+# The job every setting runs: the CPU demo's task (examples/cpu_demo.yaml: 1-digit and 2-digit by
+# 1-digit multiplication, lr 2e-5, two optimizer steps per RL step), smaller. Dynamic sampling is
+# off so every setting trains on the same prompt stream (it draws extra prompts depending on
+# rewards, which differ between settings). Sized for <= 60 minutes for all 8 settings on a quiet
+# 2-core CPU with SmolLM2-135M, from the demo's quiet-box phase times (64 sequences: rollout ~20 s
+# a sampling round, recompute 13 s, train 30 s, FP8 weight sync 12 s): ~55 s a step for the FP8
+# trainer settings, ~7.5 min each with start-up, 3 evals and the export; the fp32 ones ~5 min.
 FULL = {"train.steps": 6, "data.prompts_per_step": 4, "rollout.n_samples": 8,
-        "rollout.max_new_tokens": 24, "train.micro_batch_size": 8, "data.eval_size": 32,
+        "rollout.max_new_tokens": 24, "train.micro_batch_size": 8, "data.eval_size": 64,
         "train.eval_every": 3}
 QUICK = {"train.steps": 2, "data.prompts_per_step": 2, "rollout.n_samples": 4,
          "rollout.max_new_tokens": 6, "train.micro_batch_size": 4, "data.eval_size": 8,
          "train.eval_every": 2}
 COMMON = {"data.train": "builtin:arithmetic", "data.eval": "builtin:arithmetic",
-          "algorithm.dynamic_sampling": "false", "train.lr": "1e-5", "train.seed": "1234",
+          "data.arithmetic_ops": "[mul,mul2]", "data.train_size": "1000",
+          "algorithm.dynamic_sampling": "false",
+          "train.lr": "2e-5", "train.mini_batches": "2", "train.seed": "1234",
           "checkpoint.every": "0"}
 
 
