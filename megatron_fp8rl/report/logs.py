@@ -44,6 +44,8 @@ class RunLogs:
     """SETTING_KEYS -> value from the run's config.yaml ('?' when absent)."""
     summary: dict = field(default_factory=dict)
     """summary.json of a finished run ({} while it runs)."""
+    eval_size: int | None = None
+    """Held-out problems per greedy eval (config.yaml data.eval_size; None when absent)."""
 
     def get(self, tag: str) -> Series | None:
         return self.scalars.get(tag)
@@ -84,9 +86,12 @@ def _read_scalars(tb_dir: Path) -> dict[str, Series]:
     return scalars
 
 
-def _settings(run_dir: Path) -> dict[str, str]:
+def _config(run_dir: Path) -> dict:
     path = run_dir / "config.yaml"
-    config = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def _settings(config: dict) -> dict[str, str]:
     settings = {}
     for key in SETTING_KEYS:
         value = config
@@ -106,4 +111,7 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunLogs:
         raise ReportError(f"{run_dir}: tensorboard logs hold no scalars yet")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    return RunLogs(name or run_dir.resolve().name, run_dir, scalars, _settings(run_dir), summary)
+    config = _config(run_dir)
+    eval_size = (config.get("data") or {}).get("eval_size")
+    return RunLogs(name or run_dir.resolve().name, run_dir, scalars, _settings(config), summary,
+                   int(eval_size) if isinstance(eval_size, int) else None)

@@ -106,6 +106,78 @@ TABLES = (
 )
 
 
+def _up_to(run: RunLogs, tag: str, step: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, values) of `tag` at steps <= `step`, finite values only; None when there are none."""
+    series = run.get(tag)
+    if series is None:
+        return None
+    keep = (series.steps <= step) & np.isfinite(series.values)
+    return (series.steps[keep], series.values[keep]) if keep.any() else None
+
+
+def entropy_drift(run: RunLogs, step: int) -> float | None:
+    """max over logged steps t <= `step` of |H_t - H_first| / H_first (train/entropy)."""
+    found = _up_to(run, "train/entropy", step)
+    if found is None or found[1][0] <= 0:
+        return None
+    values = found[1]
+    return float(np.max(np.abs(values - values[0])) / values[0])
+
+
+def _best(scores: dict[str, float], highest: bool) -> str:
+    target = max(scores.values()) if highest else min(scores.values())
+    return ", ".join(f"`{name}`" for name, value in scores.items() if value == target)
+
+
+def verdict(runs: list[RunLogs]) -> list[str]:
+    """Markdown lines: at the last step every run reached, which run has the highest held-out
+    accuracy and the smallest entropy drift, and the mean |Δlogp| of each precision pair against
+    the high-precision pair (none/none). Empty for a single run."""
+    last_steps = [int(run.get("reward/mean").steps[-1]) for run in runs if run.get("reward/mean")]
+    if len(runs) < 2 or len(last_steps) < len(runs):
+        return []
+    step = min(last_steps)
+    lines = ["## Verdict", "", f"Compared at step {step}, the last step every run reached."]
+    accuracy = {}
+    for run in runs:
+        found = _up_to(run, "eval/accuracy", step)
+        if found is not None:
+            accuracy[run.name] = float(found[1][-1])
+    if accuracy:
+        sizes = {run.eval_size for run in runs if run.name in accuracy}
+        noise = ""
+        if len(sizes) == 1 and None not in sizes:
+            n = sizes.pop()
+            p = float(np.mean(list(accuracy.values())))
+            noise = (f" One eval has {n} problems: a binomial standard error of "
+                     f"{math.sqrt(max(p * (1 - p), 1e-12) / n):.3f} at the mean accuracy {p:.3f}, so "
+                     "differences below about twice that are noise.")
+        ranked = sorted(accuracy.items(), key=lambda item: -item[1])
+        lines += ["", f"- Highest held-out greedy accuracy: {_best(accuracy, True)} "
+                      f"({ranked[0][1]:.3f}; all: " + ", ".join(f"{n} {v:.3f}" for n, v in ranked) + ")." + noise]
+    drift = {run.name: d for run in runs if (d := entropy_drift(run, step)) is not None}
+    if drift:
+        ranked = sorted(drift.items(), key=lambda item: item[1])
+        lines.append(f"- Smallest entropy drift (max |H_t − H_first| / H_first over steps <= {step}): "
+                     f"{_best(drift, False)} ({ranked[0][1]:.3f}; all: "
+                     + ", ".join(f"{n} {v:.3f}" for n, v in ranked) + ").")
+    by_precision: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        found = _up_to(run, "train/mismatch_abs_logprob_diff_mean", step)
+        if found is not None:
+            key = (run.settings.get("model.fp8", "?"), run.settings.get("rollout.fp8", "?"))
+            by_precision.setdefault(key, []).append(float(found[1].mean()))
+    if by_precision:
+        means = {key: float(np.mean(values)) for key, values in by_precision.items()}
+        base = means.get(("none", "none"))
+        parts = [f"{trainer}/{rollout} {value:.3g}" + (f" ({value / base:.2f}x)" if base else "")
+                 for (trainer, rollout), value in sorted(means.items(), key=lambda item: item[1])]
+        lines.append("- Mean |Δlogp| train vs rollout by trainer/rollout precision (averaged over "
+                     "steps and corrections" + ("; ratio to none/none" if base else "") + "): "
+                     + ", ".join(parts) + ".")
+    return lines + [""]
+
+
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
@@ -142,6 +214,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
     if preamble:
         lines += [preamble, ""]
     lines += ["Runs: " + ", ".join(f"`{run.name}` ({run.run_dir})" for run in runs), ""]
+    lines += verdict(runs)
     for heading, columns in TABLES:
         if heading.startswith("FP8") and all(f["fp8_input_saturated_mean"] is None for f in figures):
             continue

@@ -117,3 +117,43 @@ def test_bad_run_directories_name_the_path(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match=r"empty: no tensorboard logs"):
         load_run(tmp_path / "empty")
+
+
+def write_curve_run(run_dir: Path, *, model_fp8: str, rollout_fp8: str, accuracy: dict, entropy: list,
+                    mismatch: float, eval_size: int = 100) -> None:
+    run_dir.mkdir(parents=True)
+    config = {"model": {"fp8": model_fp8}, "rollout": {"fp8": rollout_fp8},
+              "algorithm": {"correction": "none"}, "data": {"eval_size": eval_size}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    writer = SummaryWriter(str(run_dir / "tb"))
+    for step, value in accuracy.items():
+        writer.add_scalar("eval/accuracy", value, step)
+    for step, value in enumerate(entropy, start=1):
+        writer.add_scalar("reward/mean", 0.1, step)
+        writer.add_scalar("train/entropy", value, step)
+        writer.add_scalar("train/mismatch_abs_logprob_diff_mean", mismatch, step)
+    writer.close()
+
+
+def test_verdict_compares_runs_at_the_last_common_step(tmp_path):
+    # "long" is best at step 6, but only steps <= 4 are comparable: there "steady" leads
+    write_curve_run(tmp_path / "steady", model_fp8="none", rollout_fp8="none", accuracy={0: 0.2, 2: 0.3, 4: 0.4},
+                    entropy=[1.0, 1.05, 0.95, 1.1], mismatch=0.01)
+    write_curve_run(tmp_path / "long", model_fp8="calibrated", rollout_fp8="aligned",
+                    accuracy={0: 0.2, 2: 0.35, 4: 0.3, 6: 0.9}, entropy=[1.0, 1.02, 0.99, 1.01, 3.0, 3.0],
+                    mismatch=0.015)
+    write_curve_run(tmp_path / "surging", model_fp8="te_delayed", rollout_fp8="blockwise",
+                    accuracy={0: 0.2, 4: 0.1}, entropy=[1.0, 1.5, 2.0, 1.2], mismatch=0.2)
+    text = write_report([tmp_path / n for n in ("steady", "long", "surging")], tmp_path / "out").read_text()
+    verdict = text.split("## Verdict", 1)[1].split("\n## ", 1)[0]
+    assert "Compared at step 4" in verdict
+    assert "Highest held-out greedy accuracy: `steady` (0.400; all: steady 0.400, long 0.300, surging 0.100)" in verdict
+    # drift: long max(|.02|,|-.01|,|.01|)/1 = 0.02 (its step-5 surge is past step 4); steady 0.1; surging 1.0
+    assert "Smallest entropy drift" in verdict and "`long` (0.020; all: long 0.020, steady 0.100, surging 1.000)" in verdict
+    assert "none/none 0.01 (1.00x), calibrated/aligned 0.015 (1.50x), te_delayed/blockwise 0.2 (20.00x)" in verdict
+    se = math.sqrt(np.mean([0.4, 0.3, 0.1]) * (1 - np.mean([0.4, 0.3, 0.1])) / 100)
+    assert f"binomial standard error of {se:.3f}" in verdict
+
+
+def test_no_verdict_for_a_single_run(two_runs, tmp_path):
+    assert "## Verdict" not in write_report([two_runs[0]], tmp_path / "one").read_text()
