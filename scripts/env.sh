@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or reuse the checkout's virtual environment (.venv) and install the CPU tier into it.
-# Sourced by scripts/demo.sh and scripts/test.sh. Reinstalls only when setup.py or this file change.
+# Sourced by scripts/demo.sh, scripts/gpt_demo.sh and scripts/test.sh. Reinstalls only when setup.py or this file change.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
