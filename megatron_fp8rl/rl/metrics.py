@@ -117,3 +117,20 @@ def entropy_metrics(entropy: torch.Tensor, response_mask: torch.Tensor) -> dict[
     check_same_shape("entropy", entropy, response_mask=response_mask)
     entropy = entropy.detach().float()
     return {"entropy": masked_mean(entropy, float_mask("response_mask", response_mask, entropy))}
+
+
+def paired_eval_change(before: list[bool], after: list[bool]) -> dict[str, float]:
+    """How a greedy eval on the same problems changed: problems gained (wrong -> right), lost
+    (right -> wrong), and the exact two-sided McNemar p-value, p = min(1, 2 Σ_{k<=min(g,l)}
+    C(g+l, k) / 2^(g+l)): the chance of a split at least this lopsided if gains and losses were
+    equally likely (1.0 when nothing changed). A paired test: far more sensitive than comparing
+    two accuracies, whose binomial noise is mostly shared by the same problems."""
+    import math
+
+    if len(before) != len(after):
+        raise ValueError(f"paired eval needs the same problems: {len(before)} results before, {len(after)} after")
+    gained = sum(1 for b, a in zip(before, after) if a and not b)
+    lost = sum(1 for b, a in zip(before, after) if b and not a)
+    n = gained + lost
+    tail = sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2 ** n if n else 0.5
+    return {"gained": float(gained), "lost": float(lost), "mcnemar_p": min(1.0, 2 * tail)}

@@ -21,6 +21,7 @@ from megatron_fp8rl.data.arithmetic import arithmetic_records
 from megatron_fp8rl.data.records import DatasetError, PromptRecord, load_prompt_file, prompt_token_ids
 from megatron_fp8rl.data.rewards import load_reward_fn, score
 from megatron_fp8rl.data.sampler import PromptSampler
+from megatron_fp8rl.rl.metrics import paired_eval_change
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -123,17 +124,26 @@ class SeededRollouts:
         return getattr(self.engine, name)
 
 
-def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> float:
-    """Greedy accuracy on the held-out prompts (rank 0 generates; the result is broadcast)."""
-    accuracy = [0.0]
+def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> list[bool]:
+    """Greedy correctness per held-out prompt (rank 0 generates; the result is broadcast)."""
+    correct: list = [None]
     if ctx.engine is not None:
         sampling = SamplingParams(temperature=0.0, max_new_tokens=ctx.cfg.rollout.max_new_tokens)
         samples = ctx.engine.generate(prompts, sampling, n=1)
         rewards, _ = score(ctx.reward_fn, [ctx.decode(s.token_ids) for s in samples], answers,
                            timeout_s=ctx.cfg.data.reward_timeout_s)
-        accuracy = [sum(r > 0 for r in rewards) / len(rewards)]
-    dist.broadcast_object_list(accuracy, src=0)
-    return float(accuracy[0])
+        correct = [[bool(r > 0) for r in rewards]]
+    dist.broadcast_object_list(correct, src=0)
+    return list(correct[0])
+
+
+def eval_metrics(correct: list[bool], start: list[bool] | None) -> dict[str, float]:
+    """eval/accuracy, and against the first eval of the run (same problems): eval/gained,
+    eval/lost and the paired McNemar p-value eval/mcnemar_p."""
+    metrics = {"eval/accuracy": sum(correct) / len(correct)}
+    if start is not None:
+        metrics.update({f"eval/{k}": v for k, v in paired_eval_change(start, correct).items()})
+    return metrics
 
 
 def train(cfg: RunConfig, rank: int) -> dict[str, float]:
@@ -178,8 +188,10 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
     eval_answers = [r.answer for r in eval_records]
     writer = SummaryWriter(str(Path(cfg.run_dir) / "tb")) if rank == 0 else None
     summary = dict(resumed)  # a resumed run's summary continues the interrupted one's
+    eval_start = summary.pop("eval_start", None)  # per-problem correctness of the first eval
     if cfg.train.eval_every and not start:
-        summary["eval/accuracy_start"] = evaluate(ctx, eval_prompts, eval_answers)
+        eval_start = evaluate(ctx, eval_prompts, eval_answers)
+        summary["eval/accuracy_start"] = eval_metrics(eval_start, None)["eval/accuracy"]
         _log(writer, {"eval/accuracy": summary["eval/accuracy_start"]}, start)
     begin = time.perf_counter()
     bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,
@@ -190,14 +202,14 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
         prompts, answers = next_prompts()
         metrics = rl_step(ctx, prompts, answers, next_prompts, step)
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            metrics["eval/accuracy"] = evaluate(ctx, eval_prompts, eval_answers)
+            metrics.update(eval_metrics(evaluate(ctx, eval_prompts, eval_answers), eval_start))
         _log(writer, metrics, step)
         bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
                          ("reward/mean", "eval/accuracy", "time/rollout_s", "time/train_s") if k in metrics})
         summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
-                            {"sampler": sampler.state_dict(), "summary": summary})
+                            {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start}})
     summary["seconds"] = time.perf_counter() - begin
     summary["hf_output"] = _export_hf(ctx, rank)
     if writer is not None:

@@ -51,3 +51,20 @@ def test_entropy_metric_is_masked_mean():
     entropy = torch.tensor([[1.0, 2.0, 50.0], [3.0, 70.0, 80.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert entropy_metrics(entropy, mask)["entropy"].item() == 2.0
+
+
+def test_paired_eval_change_counts_and_exact_mcnemar():
+    import math
+
+    from megatron_fp8rl.rl.metrics import paired_eval_change
+
+    before = [False] * 10 + [True] * 5 + [False, True]
+    after = [True] * 9 + [False] + [True] * 4 + [False] + [False, True]
+    out = paired_eval_change(before, after)
+    assert (out["gained"], out["lost"]) == (9, 1)
+    # two-sided binomial(10, 1/2) tail at 1: 2 * (1 + 10) / 1024
+    assert math.isclose(out["mcnemar_p"], 22 / 1024)
+    assert paired_eval_change([True, False], [True, False]) == {"gained": 0.0, "lost": 0.0, "mcnemar_p": 1.0}
+    assert paired_eval_change([False] * 3, [True, True, False])["mcnemar_p"] == 0.5  # 2 * 1/4
+    with pytest.raises(ValueError, match="2 results before, 3 after"):
+        paired_eval_change([True, False], [True, False, True])

@@ -49,8 +49,13 @@ def test_train_tp1_end_to_end(tiny_run_inputs, tmp_path):
     scalars = _scalars(tmp_path)
     for tag in ("reward/mean", "train/pg_loss", "train/grad_norm", "train/entropy",
                 "train/mismatch_abs_logprob_diff_mean", "train/mismatch_k3_kl", "train/tis_clip_frac",
-                "time/rollout_s", "time/train_s", "time/sync_s", "eval/accuracy"):
+                "time/rollout_s", "time/train_s", "time/sync_s", "eval/accuracy", "eval/gained",
+                "eval/lost", "eval/mcnemar_p"):
         assert tag in scalars, f"{tag} not logged; have {sorted(scalars)}"
+    # the paired counts compare the final eval with the first one on the same 8 problems
+    accuracy = scalars["eval/accuracy"]
+    assert scalars["eval/gained"][-1] - scalars["eval/lost"][-1] == round((accuracy[-1] - accuracy[0]) * 8)
+    assert 0 < scalars["eval/mcnemar_p"][-1] <= 1
     # fp32 SGLang and fp32 Megatron on the same weights: the rollout logprobs match the trainer's
     # recomputation. At step 2 this holds only if step 1's update reached the engine (lr 1e-3
     # moves logprobs by far more than this bound).
