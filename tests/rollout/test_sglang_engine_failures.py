@@ -62,6 +62,9 @@ def test_start_retries_when_another_process_takes_the_scheduler_port(tiny_dirs, 
     dies during initialization and start-up retries with a fresh port."""
     import socket
 
+    from megatron_fp8rl.compat import sglang_cpu
+
+    sglang_cpu.install()  # before sglang's first import in this process (CPU mode is import-time)
     import sglang.srt.server_args as server_args
 
     holder = socket.socket()
