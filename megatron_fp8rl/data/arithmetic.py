@@ -1,8 +1,7 @@
 """The built-in arithmetic task: generated problems with deterministic train/eval splits.
 
 Owns: the problem universe (2-digit addition and subtraction, 1-digit multiplication, 2-digit by
-1-digit multiplication), the split
-rule and the prompt wording. Must not import: models, convert, rollout, trainer, cli.
+1-digit multiplication), the split rule and the prompt wording. Must not import: models, convert, rollout, trainer, cli.
 
 Split rule: a problem belongs to `eval` when the first byte of sha256("a op b") is < 256 *
 EVAL_FRACTION, so the two splits never share a problem, whatever seed or size is asked for.
@@ -14,15 +13,16 @@ import random
 
 from megatron_fp8rl.data.records import PromptRecord
 
+# op -> (sign, left operands, right operands, result, also asked with the operands swapped)
 OPERATIONS = {
-    "add": ("+", range(10, 100), range(10, 100), lambda a, b: a + b),
-    "sub": ("-", range(10, 100), range(10, 100), lambda a, b: a - b),
-    "mul": ("*", range(1, 10), range(1, 10), lambda a, b: a * b),
+    "add": ("+", range(10, 100), range(10, 100), lambda a, b: a + b, False),
+    "sub": ("-", range(10, 100), range(10, 100), lambda a, b: a - b, False),
+    "mul": ("*", range(1, 10), range(1, 10), lambda a, b: a * b, False),
     # 2-digit by 1-digit products, both orders (1,440 problems, ~290 held out): the CPU demo's
     # task. SmolLM2-135M-Instruct gets ~30% of them greedily and ~5-10% of its temperature-1
     # samples (many answers are right but verbose and cut off), so RL has signal to learn from;
     # it gets ~3% of 2-digit additions, too few rewards for a 12-step demo.
-    "mul2": ("*", range(10, 100), range(2, 10), lambda a, b: a * b),
+    "mul2": ("*", range(10, 100), range(2, 10), lambda a, b: a * b, True),
 }
 SPLITS = ("train", "eval")
 EVAL_FRACTION = 0.2
@@ -42,9 +42,9 @@ def problem_universe(ops: tuple[str, ...], split: str) -> list[PromptRecord]:
         raise ValueError(f"unknown split {split!r}; choose from {SPLITS}")
     records = []
     for op in ops:
-        sign, left, right, result = OPERATIONS[op]
+        sign, left, right, result, both_orders = OPERATIONS[op]
         pairs = [(a, b) for a in left for b in right]
-        if op == "mul2":
+        if both_orders:
             pairs += [(b, a) for a, b in pairs]
         for a, b in pairs:
             text = f"{a}{sign}{b}"

@@ -114,4 +114,4 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunLogs:
     config = _config(run_dir)
     eval_size = (config.get("data") or {}).get("eval_size")
     return RunLogs(name or run_dir.resolve().name, run_dir, scalars, _settings(config), summary,
-                   int(eval_size) if isinstance(eval_size, int) else None)
+                   eval_size if isinstance(eval_size, int) else None)

@@ -106,21 +106,20 @@ TABLES = (
 )
 
 
-def _up_to(run: RunLogs, tag: str, step: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(steps, values) of `tag` at steps <= `step`, finite values only; None when there are none."""
+def _up_to(run: RunLogs, tag: str, step: int) -> np.ndarray | None:
+    """The finite values of `tag` logged at steps <= `step`; None when there are none."""
     series = run.get(tag)
     if series is None:
         return None
     keep = (series.steps <= step) & np.isfinite(series.values)
-    return (series.steps[keep], series.values[keep]) if keep.any() else None
+    return series.values[keep] if keep.any() else None
 
 
 def entropy_drift(run: RunLogs, step: int) -> float | None:
     """max over logged steps t <= `step` of |H_t - H_first| / H_first (train/entropy)."""
-    found = _up_to(run, "train/entropy", step)
-    if found is None or found[1][0] <= 0:
+    values = _up_to(run, "train/entropy", step)
+    if values is None or values[0] <= 0:
         return None
-    values = found[1]
     return float(np.max(np.abs(values - values[0])) / values[0])
 
 
@@ -142,7 +141,7 @@ def verdict(runs: list[RunLogs]) -> list[str]:
     for run in runs:
         found = _up_to(run, "eval/accuracy", step)
         if found is not None:
-            accuracy[run.name] = float(found[1][-1])
+            accuracy[run.name] = float(found[-1])
     if accuracy:
         sizes = {run.eval_size for run in runs if run.name in accuracy}
         noise = ""
@@ -166,7 +165,7 @@ def verdict(runs: list[RunLogs]) -> list[str]:
         found = _up_to(run, "train/mismatch_abs_logprob_diff_mean", step)
         if found is not None:
             key = (run.settings.get("model.fp8", "?"), run.settings.get("rollout.fp8", "?"))
-            by_precision.setdefault(key, []).append(float(found[1].mean()))
+            by_precision.setdefault(key, []).append(float(found.mean()))
     if by_precision:
         means = {key: float(np.mean(values)) for key, values in by_precision.items()}
         base = means.get(("none", "none"))

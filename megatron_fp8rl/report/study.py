@@ -55,12 +55,11 @@ OPTIONAL = (
 )
 
 # The job every setting runs: the CPU demo's task (examples/cpu_demo.yaml: 1-digit and 2-digit by
-# 1-digit multiplication, lr 2e-5, two optimizer steps per RL step), smaller. Dynamic sampling is
+# 1-digit multiplication, two optimizer steps per RL step), smaller, at lr 2e-5. Dynamic sampling is
 # off so every setting trains on the same prompt stream (it draws extra prompts depending on
 # rewards, which differ between settings). Sized for <= 60 minutes for all 8 settings on a quiet
-# 2-core CPU with SmolLM2-135M, from the demo's quiet-box phase times (64 sequences: rollout ~20 s
-# a sampling round, recompute 13 s, train 30 s, FP8 weight sync 12 s): ~55 s a step for the FP8
-# trainer settings, ~7.5 min each with start-up, 3 evals and the export; the fp32 ones ~5 min.
+# 2-core CPU with SmolLM2-135M. Measured (issue #8 note): 270 s for a float32 setting, ~405 s with
+# blockwise FP8 rollouts, 397-485 s with an FP8 trainer; the 8 settings 3,339 s.
 FULL = {"train.steps": 6, "data.prompts_per_step": 4, "rollout.n_samples": 8,
         "rollout.max_new_tokens": 24, "train.micro_batch_size": 8, "data.eval_size": 64,
         "train.eval_every": 3}

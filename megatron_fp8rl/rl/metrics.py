@@ -1,12 +1,16 @@
 """Per-step RL metrics of DESIGN.md's RL section that come from per-token tensors.
 
 Owns: clip fractions, importance-ratio statistics, train/rollout mismatch statistics (with the
-quantiles of the train/rollout importance ratio) and the entropy mean. Every function returns a dict of detached 0-dim tensors (no host sync); the trainer
-turns them into tensorboard scalars. Tokens outside `response_mask` never count; with no token
+quantiles of the train/rollout importance ratio), the entropy mean, and the paired change of a
+greedy eval (`paired_eval_change`, plain floats from per-problem results). The per-token functions
+return dicts of detached 0-dim tensors (no host sync); the trainer turns them into tensorboard
+scalars. Tokens outside `response_mask` never count; with no token
 left, means are 0 and min/max are NaN (nothing to report).
 Must not import: anything from megatron_fp8rl outside rl/, megatron, or model code (layer L0).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -125,8 +129,6 @@ def paired_eval_change(before: list[bool], after: list[bool]) -> dict[str, float
     C(g+l, k) / 2^(g+l)): the chance of a split at least this lopsided if gains and losses were
     equally likely (1.0 when nothing changed). A paired test: far more sensitive than comparing
     two accuracies, whose binomial noise is mostly shared by the same problems."""
-    import math
-
     if len(before) != len(after):
         raise ValueError(f"paired eval needs the same problems: {len(before)} results before, {len(after)} after")
     gained = sum(1 for b, a in zip(before, after) if a and not b)

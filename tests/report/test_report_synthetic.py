@@ -155,5 +155,15 @@ def test_verdict_compares_runs_at_the_last_common_step(tmp_path):
     assert f"binomial standard error of {se:.3f}" in verdict
 
 
+def test_entropy_drift_counts_a_collapse_as_drift(tmp_path):
+    from megatron_fp8rl.report.markdown import entropy_drift
+
+    write_curve_run(tmp_path / "collapsing", model_fp8="none", rollout_fp8="none", accuracy={0: 0.2},
+                    entropy=[2.0, 1.6, 0.8, 0.5, 4.0], mismatch=0.01)
+    run = load_run(tmp_path / "collapsing")
+    assert entropy_drift(run, 4) == pytest.approx(0.75)  # |0.5 - 2.0| / 2.0; step 5 is past 4
+    assert entropy_drift(run, 5) == pytest.approx(1.0)
+
+
 def test_no_verdict_for_a_single_run(two_runs, tmp_path):
     assert "## Verdict" not in write_report([two_runs[0]], tmp_path / "one").read_text()
