@@ -14,7 +14,17 @@ The FP8 GEMM (`gemm` argument, GEMMS):
 - 'fp32_accumulate': (float(a_fp8) @ float(b_fp8)^T) * scale_a * scale_b, the same FP8 operands
                      with exact products and fp32 accumulation, as an FP8 tensor core computes;
                      results differ from 'scaled_mm' only by fp32 summation order (~1e-6 rel);
-- 'auto' (default):  'scaled_mm' on CUDA, 'fp32_accumulate' on CPU, because torch 2.13's CPU
+- 'exact':           the same with fp64 accumulation, rounded once to fp32, then scaled. For E4M3
+                     operands it is the exact sum: every product is a multiple of 2**-18 below
+                     2**18, so any partial sum over K <= 2**17 (EXACT_MAX_K) fits fp64's 53-bit
+                     significand. The result therefore does not depend on summation order, on how
+                     many rows are multiplied together or on the column order, which an fp32 GEMM's
+                     does (its blocking changes with M). That is what lets SGLang's decode (a few
+                     rows a step) and the trainer's recompute (whole sequences) produce the same
+                     bits from the same FP8 codes (rollout/sglang_fp8.py uses this function). ~1.3-
+                     1.6x an 'fp32_accumulate' forward on CPU. Other operands (E5M2 gradients, K
+                     above the bound) fall back to 'fp32_accumulate'; the backward always does;
+- 'auto' (default):  'scaled_mm' on CUDA, 'exact' on CPU, because torch 2.13's CPU
                      `_scaled_mm` (no AMX here) runs ~100x slower than an fp32 matmul (measured:
                      1 s for 256x64x192), which would make the CPU tier's training unusable.
 Q_g uses the recipe's backward format: E5M2 under 'hybrid', E4M3 under 'e4m3'. When an operand
@@ -38,7 +48,9 @@ from megatron_fp8rl.fp8.quantizer import Fp8Quantizers, make_quantizers
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 
 EXTRA_STATE_VERSION = 1
-GEMMS = ("auto", "scaled_mm", "fp32_accumulate")
+GEMMS = ("auto", "scaled_mm", "fp32_accumulate", "exact")
+EXACT_MAX_K = 2**17
+"""Longest contraction for which fp64 sums of E4M3 x E4M3 products are exact (module docstring)."""
 
 
 def resolve_gemm(gemm: str, device: torch.device) -> str:
@@ -46,7 +58,7 @@ def resolve_gemm(gemm: str, device: torch.device) -> str:
     if gemm not in GEMMS:
         raise ValueError(f"unknown FP8 gemm {gemm!r}; valid: {', '.join(GEMMS)}")
     if gemm == "auto":
-        return "scaled_mm" if device.type == "cuda" else "fp32_accumulate"
+        return "scaled_mm" if device.type == "cuda" else "exact"
     return gemm
 
 
@@ -63,7 +75,14 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
             scale_b=b.scale_inv.float(),
             out_dtype=torch.float32,
         )
+    if gemm == "exact" and _exact_sum_fits(a, b):
+        return (_dense(a).double() @ _dense(b).double().t()).float() * a.scale_inv.float() * b.scale_inv.float()
     return (_dense(a) @ _dense(b).t()) * a.scale_inv.float() * b.scale_inv.float()
+
+
+def _exact_sum_fits(a: Fp8Tensor, b: Fp8Tensor) -> bool:
+    """Whether the fp64 sum of a @ b^T's products is exact (module docstring, 'exact')."""
+    return (a.data.dtype == b.data.dtype == torch.float8_e4m3fn) and a.data.shape[-1] <= EXACT_MAX_K
 
 
 def _dense(t: Fp8Tensor) -> torch.Tensor:
@@ -92,7 +111,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         y = fp8_matmul_nt(x_q, w_q, gemm)
         if bias is not None:
             y = y + bias.float()
-        ctx.quantizers, ctx.gemm = quantizers, gemm
+        # exactness only matters where trainer and rollout must agree: the forward
+        ctx.quantizers, ctx.gemm = quantizers, "fp32_accumulate" if gemm == "exact" else gemm
         ctx.x_meta = (x_q.scale_inv, x_q.granularity, x_q.block, x.shape, x.dtype)
         ctx.w_meta = (w_q.scale_inv, w_q.granularity, w_q.block, weight.dtype)
         ctx.has_bias = bias is not None

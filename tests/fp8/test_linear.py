@@ -2,13 +2,14 @@
 agree, gradients use E5M2 under hybrid, weights are re-calibrated in no-grad passes, and the
 scaling state survives a checkpoint."""
 import io
+from fractions import Fraction
 
 import pytest
 import torch
 
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
-from megatron_fp8rl.fp8.linear import Fp8Linear, fp8_linear
-from megatron_fp8rl.fp8.quantize import quantize_blockwise, quantize_per_tensor
+from megatron_fp8rl.fp8.linear import Fp8Linear, fp8_linear, fp8_matmul_nt
+from megatron_fp8rl.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_with_scale_inv
 from megatron_fp8rl.fp8.quantizer import make_quantizers
 from megatron_fp8rl.fp8.recipe import (
     BlockwiseScaling,
@@ -35,7 +36,7 @@ def run(recipe, gemm, x, weight, bias, dy):
 
 
 @pytest.mark.parametrize("fp8_format,grad_fmt", [("hybrid", E5M2), ("e4m3", E4M3)])
-@pytest.mark.parametrize("gemm", ["scaled_mm", "fp32_accumulate"])
+@pytest.mark.parametrize("gemm", ["scaled_mm", "fp32_accumulate", "exact"])
 def test_current_scaling_equals_gemms_of_the_fp8_operands(fp8_format, grad_fmt, gemm):
     x, weight, bias, dy = operands()
     y, dx, dw, db = run(CurrentScaling(fp8_format=fp8_format), gemm, x, weight, bias, dy)
@@ -55,6 +56,35 @@ def test_gemm_backends_agree_to_fp32_rounding():
     emulated = run(recipe, "fp32_accumulate", x, weight, bias, dy)
     for a, b in zip(scaled, emulated):  # summation order only: errors ~1e-7 of the largest term
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+
+
+def _wide_e4m3(shape, seed):
+    """E4M3 values across the whole format (subnormals to 448), as per-tensor FP8 operands."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-10, 9, shape, generator=gen).float())
+    return quantize_with_scale_inv(values.clamp(-448, 448), torch.tensor(1.0), E4M3)
+
+
+def test_exact_gemm_is_the_exactly_rounded_sum_whatever_the_row_count():
+    """'exact' is the fp32 rounding of the exact rational sum of the FP8 products (oracle:
+    Fraction arithmetic), so a row computed alone, in a batch, or with the columns permuted has
+    the same bits; the fp32 GEMM's rows depend on the batch (why SGLang's decode and the trainer's
+    recompute disagreed in the last bits before, then by whole FP8 codes 30 layers later)."""
+    a, b = _wide_e4m3((64, 1536), 0), _wide_e4m3((96, 1536), 1)
+    full = fp8_matmul_nt(a, b, "exact")
+    a_rows, b_rows = a.data.float().tolist(), b.data.float().tolist()
+    for i, j in ((0, 0), (5, 17), (63, 95)):
+        exact = sum(Fraction(x) * Fraction(y) for x, y in zip(a_rows[i], b_rows[j]))
+        assert full[i, j].item() == float(torch.tensor(float(exact), dtype=torch.float64).float())
+    single_rows = torch.cat([fp8_matmul_nt(_rows(a, i), b, "exact") for i in range(64)])
+    assert torch.equal(single_rows, full)
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(fp8_matmul_nt(a, _rows(b, perm), "exact"), full[:, perm])
+
+
+def _rows(t, rows):
+    index = torch.tensor([rows]) if isinstance(rows, int) else rows
+    return quantize_with_scale_inv(t.data.float()[index], torch.tensor(1.0), E4M3)
 
 
 def test_scaled_mm_path_calls_torch_scaled_mm(monkeypatch):
@@ -121,7 +151,7 @@ def test_load_rejects_foreign_extra_state_and_unknown_gemm():
     state["_extra_state"] = {"version": 99}
     with pytest.raises(ValueError, match="Fp8Linear: FP8 extra state must be a dict with version 1, found 99"):
         layer.load_state_dict(state)
-    with pytest.raises(ValueError, match="valid: auto, scaled_mm, fp32_accumulate"):
+    with pytest.raises(ValueError, match="valid: auto, scaled_mm, fp32_accumulate, exact"):
         Fp8Linear(8, 4, gemm="cublas")
     with pytest.raises(ValueError, match="input has 5 features"):
         layer(torch.randn(2, 5))
