@@ -25,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_fp8rl.compat.megatron_attention import with_sdpa_attention
 from megatron_fp8rl.compat.megatron_fp8_linear import fp8_local_layer_spec
 from megatron_fp8rl.fp8.recipe import Fp8Recipe
 from megatron_fp8rl.models.family import ModelFamily, UnsupportedModelError
@@ -169,8 +170,10 @@ def layer_spec(
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     if fp8_recipe is not None:
-        return fp8_local_layer_spec(fp8_recipe, qk_layernorm=qk_layernorm, normalization="RMSNorm")
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        spec = fp8_local_layer_spec(fp8_recipe, qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    return with_sdpa_attention(spec)
 
 
 def build_model_from_hf(

@@ -1,0 +1,110 @@
+"""Megatron core attention computed with torch's SDPA, optionally call-for-call like SGLang.
+
+Owns: `SdpaAttention` (a drop-in for Megatron's local-spec DotProductAttention) and the
+`sglang_call_layout` context that makes it repeat SGLang's torch_native attention calls.
+Must not import: sglang, trainer, rollout (it only mirrors SGLang's call shapes).
+
+Why: on the CPU tier SGLang's torch_native backend runs `scaled_dot_product_attention` once per
+request: a causal call over the prompt at prefill (query and keys of the prompt's length) and, for
+every generated token, a one-query call against the keys so far. torch's CPU SDPA is not
+row-consistent: a row's output changes in the last bits with the call's shape (measured: every
+decode row of a [9 heads, T, 64] causal call differs by ~3e-7 from the same row computed alone,
+and prefix rows change with T). With FP8 activations those ulp differences flip FP8 codes and
+avalanche through 30 layers (DESIGN hazard 3), so the aligned rollout and the calibrated trainer
+disagree although their FP8 weights and scales are bit-identical. Repeating SGLang's calls (same
+shapes, same memory layouts, same scale and GQA flag) makes the attention outputs bit-identical.
+
+A request whose prompt is partly in SGLang's radix cache (the 2nd..n-th sample of a prompt, or a
+shared system prompt) runs its extend with the query rows padded back to the full prompt length:
+the same call shape, so the same bits. Not reproduced: a prompt longer than SGLang's
+chunked_prefill_size (thousands of tokens), prefilled in several calls; its rows then differ in
+the last bits again. Outside the context it is one causal SDPA over the batch (with autograd),
+the training path; TE's attention (GPU tier) ignores the context.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Sequence
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch.nn.functional import scaled_dot_product_attention
+
+_PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
+
+
+@contextmanager
+def sglang_call_layout(prompt_lengths: Sequence[int]):
+    """Inside: every SdpaAttention forward over a [S, B] batch computes sequence b as SGLang's
+    torch_native backend serves it: prompt rows [0, prompt_lengths[b]) in one causal call, each
+    later row as a one-query call against the keys up to itself (rows past a sequence's end, the
+    padding, are computed the same way and mean nothing). About S calls a layer instead of one:
+    meant for logprob forwards, not training."""
+    token = _PROMPT_LENGTHS.set(tuple(int(p) for p in prompt_lengths))
+    try:
+        yield
+    finally:
+        _PROMPT_LENGTHS.reset(token)
+
+
+class SdpaAttention(DotProductAttention):
+    """DotProductAttention's interface (causal self-attention, no packing, no attention bias, no
+    dropout) with torch SDPA as the kernel."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
+        if packed_seq_params is not None or attention_bias is not None or attention_mask is not None:
+            raise ValueError("SdpaAttention: packed sequences, attention bias and explicit masks are "
+                             "not supported (causal self-attention only)")
+        if self.training and self.config.attention_dropout > 0:
+            raise ValueError(f"SdpaAttention: attention_dropout must be 0, found {self.config.attention_dropout}")
+        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        prompt_lengths = _PROMPT_LENGTHS.get()
+        if prompt_lengths is None:
+            context = scaled_dot_product_attention(
+                query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                is_causal=True, enable_gqa=gqa, scale=self.softmax_scale)  # [b, np, sq, hn]
+            context = context.permute(2, 0, 1, 3)
+        else:
+            context = self._sglang_calls(query, key, value, prompt_lengths, gqa)
+        return context.reshape(context.shape[0], context.shape[1], self.hidden_size_per_partition)
+
+    def _sglang_calls(self, query, key, value, prompt_lengths, gqa):
+        """SGLang torch_native's calls (torch_native_backend._run_sdpa_forward_extend/_decode):
+        the prompt in one causal call with a contiguous [heads, prompt, dim] query, then each
+        later row as a one-query call against the keys up to itself. Sequences that need the
+        same call shape share one batched call: torch's SDPA computes every (batch, head) slice
+        alone, so the batch size does not change a slice's bits."""
+        if len(prompt_lengths) != query.shape[1]:
+            raise ValueError(f"sglang_call_layout: {len(prompt_lengths)} prompt lengths for a batch of "
+                             f"{query.shape[1]} sequences")
+        bad = [p for p in prompt_lengths if not 0 < p <= query.shape[0]]
+        if bad:
+            raise ValueError(f"sglang_call_layout: prompt length {bad[0]} outside 1..{query.shape[0]} "
+                             f"(the batch's sequence length)")
+        prompts = torch.tensor(prompt_lengths)
+        context = torch.empty_like(query)
+        for prompt in sorted(set(prompt_lengths)):
+            seqs = (prompts == prompt).nonzero()[:, 0]
+            q = query[:prompt, seqs].permute(1, 2, 0, 3).contiguous()
+            context[:prompt, seqs] = self._sdpa(q, key[:prompt, seqs], value[:prompt, seqs], True, gqa)
+        for row in range(min(prompt_lengths), query.shape[0]):
+            seqs = (prompts <= row).nonzero()[:, 0]
+            q = query[row:row + 1, seqs].permute(1, 2, 0, 3)
+            context[row:row + 1, seqs] = self._sdpa(q, key[:row + 1, seqs], value[:row + 1, seqs], False, gqa)
+        return context
+
+    def _sdpa(self, q, k, v, causal, gqa):
+        """q [b, np, sq, hn], k/v [sk, b, ng, hn] -> [sq, b, np, hn]."""
+        out = scaled_dot_product_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                           enable_gqa=gqa, scale=self.softmax_scale, is_causal=causal)
+        return out.permute(2, 0, 1, 3)
+
+
+def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:
+    """A local GPT layer spec with its core attention replaced by SdpaAttention (in place)."""
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec

@@ -1,0 +1,106 @@
+"""SdpaAttention: under `sglang_call_layout` its output has exactly the bits of SGLang's own
+torch_native attention code serving the same sequences (prefill, a radix-cache prefix hit, then
+decode steps in a shrinking batch); outside it, it is Megatron's causal attention (values and
+gradients) to fp32 rounding; bad layouts are refused with the numbers that are wrong."""
+import pytest
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_fp8rl.compat import sglang_cpu
+from megatron_fp8rl.compat.megatron_attention import SdpaAttention, sglang_call_layout
+
+HEADS, GROUPS, DIM = 9, 3, 64  # SmolLM2-135M's attention (GQA 3:1)
+
+
+def _attention(cls):
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0)
+    return cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+
+def _qkv(seq, batch, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((seq, batch, HEADS, DIM), (seq, batch, GROUPS, DIM), (seq, batch, GROUPS, DIM))
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def _sglang_serving(q, k, v, prompts, lengths, cached):
+    """What SGLang's TorchNativeAttnBackend computes for these sequences: one extend batch (request
+    b has its first cached[b] prompt tokens in the radix cache already, as the n-th sample of a
+    prompt has), then one decode batch per generated token, finished requests dropping out.
+    The KV cache is filled with each sequence's own k/v rows, as SGLang's forward stores them."""
+    sglang_cpu.install()
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend as backend
+
+    seq, batch = q.shape[:2]
+    k_cache = k.transpose(0, 1).reshape(batch * seq, GROUPS, DIM).contiguous()
+    v_cache = v.transpose(0, 1).reshape(batch * seq, GROUPS, DIM).contiguous()
+    req_to_token = torch.arange(batch * seq).reshape(batch, seq)
+    out = torch.zeros_like(q)
+    common = dict(k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token,
+                  scaling=DIM ** -0.5, enable_gqa=True)
+    query = torch.cat([q[cached[b]:prompts[b], b] for b in range(batch)])
+    extended = torch.empty_like(query)
+    backend._run_sdpa_forward_extend(
+        None, query, extended, req_pool_indices=torch.arange(batch), seq_lens=torch.tensor(prompts),
+        extend_prefix_lens=torch.tensor(cached),
+        extend_seq_lens=torch.tensor([p - c for p, c in zip(prompts, cached)]), causal=True, **common)
+    for b, rows in enumerate(torch.split(extended, [p - c for p, c in zip(prompts, cached)])):
+        out[cached[b]:prompts[b], b] = rows
+    for step in range(max(lengths) - min(prompts)):
+        running = [b for b in range(batch) if prompts[b] + step < lengths[b]]
+        if not running:
+            continue
+        rows = [prompts[b] + step for b in running]
+        query = torch.stack([q[r, b] for r, b in zip(rows, running)])
+        decoded = torch.empty_like(query)
+        backend._run_sdpa_forward_decode(
+            None, query, decoded, req_pool_indices=torch.tensor(running),
+            seq_lens=torch.tensor(rows) + 1, causal=False, **common)
+        for i, (r, b) in enumerate(zip(rows, running)):
+            out[r, b] = decoded[i]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_call_layout_gives_sglang_torch_native_bits(megatron_tp1, dtype):
+    prompts, lengths, cached = [13, 20, 13, 7], [40, 31, 36, 25], [0, 0, 12, 0]
+    q, k, v = _qkv(40, 4, dtype)
+    k[:13, 2], v[:13, 2] = k[:13, 0], v[:13, 0]  # request 2 shares request 0's prompt (radix hit)
+    q[:13, 2] = q[:13, 0]
+    expected = _sglang_serving(q, k, v, prompts, lengths, cached)
+    with torch.no_grad(), sglang_call_layout(prompts):
+        ours = _attention(SdpaAttention)(q, k, v, None).reshape(q.shape)
+    for b, length in enumerate(lengths):
+        assert torch.equal(ours[cached[b]:length, b], expected[cached[b]:length, b]), f"sequence {b}"
+    assert torch.equal(ours[:12, 2], expected[:12, 0])  # the cached rows were served for request 0
+
+
+def test_outside_the_layout_it_is_megatron_causal_attention(megatron_tp1):
+    q, k, v = _qkv(24, 2, torch.float32, seed=1)
+    grads = []
+    outputs = []
+    for cls in (SdpaAttention, DotProductAttention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = _attention(cls)(*leaves, None)
+        out.square().sum().backward()
+        outputs.append(out)
+        grads.append([t.grad for t in leaves])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+    for ours, megatron in zip(*grads):
+        torch.testing.assert_close(ours, megatron, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_layouts_are_refused(megatron_tp1):
+    q, k, v = _qkv(10, 2, torch.float32)
+    attention = _attention(SdpaAttention)
+    with pytest.raises(ValueError, match="3 prompt lengths for a batch of 2 sequences"):
+        with sglang_call_layout([4, 4, 4]):
+            attention(q, k, v, None)
+    with pytest.raises(ValueError, match="prompt length 11 outside 1..10"):
+        with sglang_call_layout([4, 11]):
+            attention(q, k, v, None)
+    with pytest.raises(ValueError, match="explicit masks are not supported"):
+        attention(q, k, v, torch.ones(1, 1, 10, 10, dtype=torch.bool))
