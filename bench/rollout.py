@@ -11,11 +11,13 @@ Settings (rollout / trainer; every rollout samples the same prompts at temperatu
                   with the trainer's FP8 weights and scales after a calibrating forward) vs the
                   calibrated FP8 trainer recomputing with the served scales frozen
 - ulp-noise floor  no rollout: the same frozen-scale trainer against itself with every FP8 linear's
-                  input multiplied by 1 + {-1, 0, 1} * 2**-23 (random). That is the size of the
-                  fp32 arithmetic differences left between SGLang's torch_native path and Megatron's
-                  local spec (attention output ~1e-7 relative; measured per linear on SmolLM2),
-                  and FP8 rounding amplifies them through the 30 layers (DESIGN hazard 3): the
-                  floor an aligned rollout reaches without bit-identical pre-quantization math.
+                  input multiplied by 1 + {-1, 0, 1} * 2**-23 (random): what the aligned pair
+                  shows when the arithmetic before each quantization is merely close rather than
+                  identical (DESIGN hazard 3; FP8 rounding amplifies ulp differences through 30
+                  layers). The aligned row avoids it with identical arithmetic on both sides: the
+                  'exact' FP8 GEMM (fp8/linear.py: the exact sum, whatever the batch) and the
+                  trainer's attention repeating SGLang's torch_native calls
+                  (compat/megatron_attention.py, the trainer's logprob forward does the same).
 Mismatch per setting over all sampled tokens (rl.metrics.mismatch_metrics): mean |delta logp|,
 k3 KL(rollout || trainer), exp(mean |delta logp|). Throughput: generated tokens / generate seconds
 (engine start excluded), as a ratio to fp32 measured in the same run. The box is shared and noisy:
@@ -58,8 +60,9 @@ def _megatron(hf_dir: Path, mcore: Path, recipe=None, dtype=torch.float32):
 
 @torch.no_grad()
 def _trainer_logprobs(model, samples, scales=None, ulp_noise=False) -> torch.Tensor:
-    """Logprobs of the sampled tokens; `ulp_noise`: each FP8 linear's input times
+    """Logprobs of the sampled tokens, attention called as SGLang called it; `ulp_noise`: each FP8 linear's input times
     1 + {-1, 0, 1} * 2**-23 (seeded), the size of SGLang's remaining fp32 differences."""
+    from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
     from megatron_fp8rl.compat.megatron_fp8_linear import fp8_decoder_linears, frozen_fp8_scales
 
     generator = torch.Generator().manual_seed(0)
@@ -72,7 +75,8 @@ def _trainer_logprobs(model, samples, scales=None, ulp_noise=False) -> torch.Ten
     out = []
     for s in samples:
         tokens = torch.tensor([s.prompt_token_ids + s.token_ids])
-        with frozen_fp8_scales(model, scales) if scales is not None else nullcontext():
+        with (frozen_fp8_scales(model, scales) if scales is not None else nullcontext(),
+              sglang_call_layout([len(s.prompt_token_ids)])):
             logits = model(tokens, torch.arange(tokens.shape[1])[None], None)[0].float()
         logprobs = torch.log_softmax(logits[len(s.prompt_token_ids) - 1:-1], dim=-1)
         out.append(logprobs.gather(1, torch.tensor(s.token_ids)[:, None])[:, 0])

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
+from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
 from megatron_fp8rl.compat.megatron_fp8_linear import (
     fp8_layer_stats, frozen_fp8_scales, shared_fp8_scales,
 )
@@ -30,6 +31,7 @@ from megatron_fp8rl.convert.megatron_to_hf import (
 from megatron_fp8rl.fp8.recipe import recipe_by_name
 from megatron_fp8rl.models.hf import build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
+from megatron_fp8rl.trainer.batch import prompt_lengths
 from megatron_fp8rl.trainer.megatron_step import (
     OptimConfig, StepResult, build_optimizer, forward_only, train_step, wrap_ddp,
 )
@@ -85,15 +87,26 @@ class MegatronActor:
         group = parallel_state.get_tensor_model_parallel_group()
         return vocab_parallel_logprobs_and_entropy(logits, batch["target_ids"], group)
 
+    @staticmethod
+    def _forward_as_served(chunk: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The logprob forward: attention call for call as SGLang's torch_native backend served
+        each sequence (prompt prefill, then one row at a time), so that with the exact FP8 GEMM
+        the recompute has the rollout's bits (compat/megatron_attention.py; TE attention, the
+        GPU tier, ignores the layout)."""
+        with sglang_call_layout(prompt_lengths(batch["response_mask"])):
+            return chunk(batch["tokens"], batch["position_ids"], None)
+
     def logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Per micro-batch [B, S] logprobs on the last pipeline stage ([] on others)."""
+        """Per micro-batch [B, S] logprobs on the last pipeline stage ([] on others), computed
+        as the rollout engine computed them (`_forward_as_served`)."""
 
         def collect(batch, logits):
             logprobs, _ = self.token_logprobs(batch, logits)
             return torch.zeros((), device=logits.device), {"logprobs": logprobs}
 
         seq = micro_batches[0]["tokens"].shape[1]
-        return [out["logprobs"] for out in forward_only(self.model, micro_batches, self._forward, collect, seq)]
+        return [out["logprobs"] for out in
+                forward_only(self.model, micro_batches, self._forward_as_served, collect, seq)]
 
     def train(self, micro_batches: list[dict[str, torch.Tensor]],
               loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]) -> StepResult:

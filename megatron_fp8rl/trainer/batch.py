@@ -67,6 +67,14 @@ def build_batch(samples: list[RolloutSample], advantages: torch.Tensor, length: 
     )
 
 
+def prompt_lengths(response_mask: torch.Tensor) -> list[int]:
+    """[B, S] response mask -> each row's prompt length (its first response prediction position
+    + 1; S for a row without response tokens, such as pad_rows' fillers)."""
+    has_response = response_mask.bool().any(dim=1)
+    first = response_mask.bool().int().argmax(dim=1) + 1
+    return torch.where(has_response, first, response_mask.shape[1]).tolist()
+
+
 def pad_rows(batch: RolloutBatch, multiple: int) -> RolloutBatch:
     """Append all-masked rows so the size is a multiple of `multiple` (they contribute nothing)."""
     missing = -batch.size % multiple
