@@ -38,12 +38,21 @@ def test_fused_name_is_refused_and_points_at_its_shards(qwen3_dir):
         (torch.zeros(64, 128), r"shape \(64, 128\), expected \(128, 64\)"),
         (torch.zeros(128, 64, dtype=torch.int32), "dtype torch.int32"),
         (torch.full((128, 64), float("nan")), "non-finite"),
+        (torch.zeros(128, 64).index_fill_(0, torch.tensor([3]), float("inf")), "non-finite"),
+        (torch.zeros(128, 64).index_put_((torch.tensor([0, 1]), torch.tensor([0, 0])),
+                                         torch.tensor([float("inf"), -float("inf")])), "non-finite"),
     ],
 )
 def test_bad_tensor_is_refused_naming_it(qwen3_dir, tensor, message):
     expected = ExpectedWeights.from_checkpoint(qwen3_dir)
     with pytest.raises(WeightUpdateError, match=rf"'lm_head.weight'.*{message}"):
         validate_named_tensors([("lm_head.weight", tensor)], expected)
+
+
+def test_finite_values_whose_sum_overflows_are_accepted(qwen3_dir):
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    huge = torch.full((128, 64), 3e38)  # finite, but their float32 sum is inf
+    assert len(validate_named_tensors([("lm_head.weight", huge)], expected)) == 1
 
 
 def test_duplicate_and_empty_updates_are_refused(qwen3_dir):
