@@ -8,10 +8,11 @@ Times (median of --reps after one warm-up):
   fp8_recipe=recipe_by_name("calibrated"))` vs `fp8_recipe=None` (random weights; speed does not
   depend on them), forward (no grad, as the old-logprob recompute) and forward+backward of the
   summed logits (as the train phase), on --batch x --seq tokens.
+`--gemms a,b` repeats the linears with each FP8 GEMM ('auto' is 'exact' on CPU).
 Prints one line per case: float32 seconds, FP8 seconds and the ratio FP8/float32.
 `--profile` also prints torch.profiler's top operators of one FP8 model forward+backward.
 
-Run: .venv/bin/python bench/fp8_linear_speed.py [--reps 5] [--no-model] [--profile]
+Run: .venv/bin/python bench/fp8_linear_speed.py [--reps 5] [--gemms auto] [--no-model] [--profile]
 To compare two trees, run it with PYTHONPATH pointing at each (same load, same flags).
 """
 from __future__ import annotations
@@ -36,17 +37,17 @@ def _time(fn, reps: int) -> float:
 
 
 def _row(name: str, base: float, fp8: float) -> None:
-    print(f"{name:28s} fp32 {base * 1e3:9.2f} ms   fp8 {fp8 * 1e3:9.2f} ms   ratio {fp8 / base:6.2f}x",
+    print(f"{name:36s} fp32 {base * 1e3:9.2f} ms   fp8 {fp8 * 1e3:9.2f} ms   ratio {fp8 / base:6.2f}x",
           flush=True)
 
 
-def bench_linears(tokens: int, reps: int) -> None:
+def bench_linears(tokens: int, reps: int, gemm: str) -> None:
     from megatron_fp8rl.fp8.linear import Fp8Linear
     from megatron_fp8rl.fp8.recipe import recipe_by_name
 
     torch.manual_seed(0)
     for name, (k, n) in LINEARS.items():
-        layer = Fp8Linear(k, n, bias=False, recipe=recipe_by_name("calibrated"))
+        layer = Fp8Linear(k, n, bias=False, recipe=recipe_by_name("calibrated"), gemm=gemm)
         weight = layer.weight
         x = torch.randn(tokens, k)
         dy = torch.randn(tokens, n)
@@ -69,8 +70,8 @@ def bench_linears(tokens: int, reps: int) -> None:
             layer(xg).backward(dy)
             weight.grad = None
 
-        _row(f"linear {name} {k}->{n} fwd", _time(fp32_fwd, reps), _time(fp8_fwd, reps))
-        _row(f"linear {name} {k}->{n} fwd+bwd", _time(fp32_train, reps), _time(fp8_train, reps))
+        _row(f"linear {name} {gemm} fwd", _time(fp32_fwd, reps), _time(fp8_fwd, reps))
+        _row(f"linear {name} {gemm} fwd+bwd", _time(fp32_train, reps), _time(fp8_train, reps))
 
 
 def _model(hf_config, recipe):
@@ -121,12 +122,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=60)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--gemms", default="auto",
+                        help="comma list of FP8 GEMMs for the linears (fp8/linear.py GEMMS), e.g. "
+                             "fp32_accumulate,exact to see what batch-invariance costs")
     parser.add_argument("--no-model", action="store_true", help="linears only")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (timings under whatever "
           "load the box has; compare ratios measured in one run)", flush=True)
-    bench_linears(args.tokens, args.reps)
+    for gemm in args.gemms.split(","):
+        bench_linears(args.tokens, args.reps, gemm)
     if not args.no_model:
         from megatron_fp8rl.launch import init_distributed, shutdown_distributed
 
