@@ -53,6 +53,16 @@ class SdpaAttention(DotProductAttention):
     """DotProductAttention's interface (causal self-attention, no packing, no attention bias, no
     dropout) with torch SDPA as the kernel."""
 
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        unsupported = {"apply_query_key_layer_scaling": config.apply_query_key_layer_scaling,
+                       "window_size": config.window_size is not None,
+                       "softmax_type": config.softmax_type != "vanilla"}
+        found = [name for name, used in unsupported.items() if used]
+        if found:
+            raise ValueError(f"SdpaAttention: {', '.join(found)} not supported (plain causal softmax "
+                             f"attention only); use DotProductAttention or TE's attention")
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn]."""

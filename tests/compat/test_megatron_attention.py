@@ -14,9 +14,10 @@ from megatron_fp8rl.compat.megatron_attention import SdpaAttention, sglang_call_
 HEADS, GROUPS, DIM = 9, 3, 64  # SmolLM2-135M's attention (GQA 3:1)
 
 
-def _attention(cls):
+def _attention(cls, **config_overrides):
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
-                               num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0)
+                               num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0,
+                               **config_overrides)
     return cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 
@@ -93,7 +94,7 @@ def test_outside_the_layout_it_is_megatron_causal_attention(megatron_tp1):
         torch.testing.assert_close(ours, megatron, rtol=1e-4, atol=1e-5)
 
 
-def test_bad_layouts_are_refused(megatron_tp1):
+def test_bad_layouts_and_configs_are_refused(megatron_tp1):
     q, k, v = _qkv(10, 2, torch.float32)
     attention = _attention(SdpaAttention)
     with pytest.raises(ValueError, match="3 prompt lengths for a batch of 2 sequences"):
@@ -104,3 +105,5 @@ def test_bad_layouts_are_refused(megatron_tp1):
             attention(q, k, v, None)
     with pytest.raises(ValueError, match="explicit masks are not supported"):
         attention(q, k, v, torch.ones(1, 1, 10, 10, dtype=torch.bool))
+    with pytest.raises(ValueError, match="SdpaAttention: window_size not supported"):
+        _attention(SdpaAttention, window_size=(4, 0))
