@@ -19,7 +19,9 @@ shared system prompt) runs its extend with the query rows padded back to the ful
 the same call shape, so the same bits. Not reproduced: a prompt longer than SGLang's
 chunked_prefill_size (thousands of tokens), prefilled in several calls; its rows then differ in
 the last bits again. Outside the context it is one causal SDPA over the batch (with autograd),
-the training path; TE's attention (GPU tier) ignores the context.
+the training path; inside it under autograd (the aligned training forward of the first mini-batch)
+the served calls give the value and the batched call the gradient. TE's attention (GPU tier)
+ignores the context.
 """
 from __future__ import annotations
 
@@ -40,8 +42,9 @@ def sglang_call_layout(prompt_lengths: Sequence[int]):
     """Inside: every SdpaAttention forward over a [S, B] batch computes sequence b as SGLang's
     torch_native backend serves it: prompt rows [0, prompt_lengths[b]) in one causal call, each
     later row as a one-query call against the keys up to itself (rows past a sequence's end, the
-    padding, are computed the same way and mean nothing). About S calls a layer instead of one:
-    meant for logprob forwards, not training."""
+    padding, are computed the same way and mean nothing). About S calls a layer instead of one.
+    Under autograd (a training forward) the output has these calls' value and the gradient of the
+    one batched causal call, so the backward costs what it costs outside the layout."""
     token = _PROMPT_LENGTHS.set(tuple(int(p) for p in prompt_lengths))
     try:
         yield
@@ -74,13 +77,23 @@ class SdpaAttention(DotProductAttention):
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         prompt_lengths = _PROMPT_LENGTHS.get()
         if prompt_lengths is None:
-            context = scaled_dot_product_attention(
-                query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-                is_causal=True, enable_gqa=gqa, scale=self.softmax_scale)  # [b, np, sq, hn]
-            context = context.permute(2, 0, 1, 3)
+            context = self._causal(query, key, value, gqa)
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            # training forward in the served layout: the value of SGLang's calls, the gradient of
+            # the one batched causal call (the same function, so the same gradient up to rounding;
+            # differentiating through ~S per-row calls would multiply the backward's cost)
+            served = self._sglang_calls(query.detach(), key.detach(), value.detach(), prompt_lengths, gqa)
+            context = _ValueOf.apply(self._causal(query, key, value, gqa), served)
         else:
             context = self._sglang_calls(query, key, value, prompt_lengths, gqa)
         return context.reshape(context.shape[0], context.shape[1], self.hidden_size_per_partition)
+
+    def _causal(self, query, key, value, gqa):
+        """One causal SDPA over the batch: [sq, b, np, hn] -> [sq, b, np, hn]."""
+        context = scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+            is_causal=True, enable_gqa=gqa, scale=self.softmax_scale)  # [b, np, sq, hn]
+        return context.permute(2, 0, 1, 3)
 
     def _sglang_calls(self, query, key, value, prompt_lengths, gqa):
         """SGLang torch_native's calls (torch_native_backend._run_sdpa_forward_extend/_decode):
@@ -112,6 +125,21 @@ class SdpaAttention(DotProductAttention):
         out = scaled_dot_product_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
                                            enable_gqa=gqa, scale=self.softmax_scale, is_causal=causal)
         return out.permute(2, 0, 1, 3)
+
+
+class _ValueOf(torch.autograd.Function):
+    """y = `value` in the forward (bit for bit), with the gradient of `carrier`: dL/dcarrier = dL/dy.
+    For two computations of one function that differ only in rounding."""
+
+    @staticmethod
+    def forward(ctx, carrier, value):
+        if carrier.shape != value.shape:
+            raise ValueError(f"_ValueOf: carrier {tuple(carrier.shape)} and value {tuple(value.shape)} differ")
+        return carrier.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:

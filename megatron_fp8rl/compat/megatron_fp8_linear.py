@@ -194,11 +194,14 @@ def shared_fp8_scales(model: torch.nn.Module) -> dict[tuple[int, str], tuple[tor
 
 
 @contextmanager
-def frozen_fp8_scales(model: torch.nn.Module, scales: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]):
+def frozen_fp8_scales(model: torch.nn.Module, scales: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                      observe: bool = False):
     """Within the block every FP8 linear of `model` quantizes its weight and input per tensor with
     the given dequant multipliers `scales[(layer, path)] = (weight_scale_inv, input_scale_inv)`
-    (fp8.quantize.quantize_with_scale_inv): no scaling state changes, no collectives. KeyError
-    naming a layer without scales."""
+    (fp8.quantize.quantize_with_scale_inv). observe=False: no scaling state changes, no
+    collectives (logprob passes); observe=True: the live quantizers still advance as if they had
+    served the pass (fp8.quantizer.frozen_quantizers; training forwards). KeyError naming a layer
+    without scales."""
     linears = fp8_decoder_linears(model)
     missing = [f"{layer}.{path}" for layer, path, _ in linears if (layer, path) not in scales]
     if missing:
@@ -206,7 +209,8 @@ def frozen_fp8_scales(model: torch.nn.Module, scales: dict[tuple[int, str], tupl
     saved = [(module, module.fp8_quantizers) for _, _, module in linears]
     try:
         for layer, path, module in linears:
-            module.fp8_quantizers = frozen_quantizers(module.fp8_quantizers, *scales[(layer, path)])
+            module.fp8_quantizers = frozen_quantizers(module.fp8_quantizers, *scales[(layer, path)],
+                                                       observe=observe)
         yield
     finally:
         for module, quantizers in saved:

@@ -267,15 +267,32 @@ class CalibratedQuantizer:
 
 class StaticQuantizer:
     """Per-tensor quantization with a fixed dequant multiplier `scale_inv` (fp8 quantize.py
-    `quantize_with_scale_inv`); records statistics but never updates any state."""
+    `quantize_with_scale_inv`); records statistics but never updates any state of its own.
 
-    def __init__(self, fmt: Fp8Format, scale_inv: torch.Tensor, cache: WeightQuantCache | None = None):
+    `observer`: the live quantizer this one stands in for, or None. When set, every `quantize`
+    also runs `observer.quantize(x)` (its result discarded) so the live scaling state advances
+    exactly as if the live quantizer had served the pass (amax history, recalibration, and its
+    collective, in the same order on every rank), and the observer's `last_stats` become this
+    pass's statistics. For training forwards computed with frozen scales (the aligned first
+    mini-batch): without it, an activation's bound would never move again while every forward
+    ran frozen. Cost: one more quantization of x."""
+
+    def __init__(self, fmt: Fp8Format, scale_inv: torch.Tensor, cache: WeightQuantCache | None = None,
+                 observer=None):
         self.fmt, self.scale_inv = fmt, scale_inv.detach().float().reshape(())
         self.last_stats: QuantStats | None = None
         self.cache = cache
         """A weight's WeightQuantCache (shared with its calibrated quantizer), or None."""
+        self.observer = observer
 
     def quantize(self, x: torch.Tensor) -> Fp8Tensor:
+        result = self._quantize(x)
+        if self.observer is not None:
+            pass
+            self.observer.last_stats = self.last_stats
+        return result
+
+    def _quantize(self, x: torch.Tensor) -> Fp8Tensor:
         if self.cache is not None and WeightQuantCache.applies(x):
             scale_inv = self.scale_inv.to(x.device)
             entry = self.cache.quantize(x, scale_inv.reciprocal(), self.fmt)
@@ -318,14 +335,19 @@ def next_scale(quantizer, x: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def frozen_quantizers(
-    quantizers: "Fp8Quantizers", weight_scale_inv: torch.Tensor, input_scale_inv: torch.Tensor
+    quantizers: "Fp8Quantizers", weight_scale_inv: torch.Tensor, input_scale_inv: torch.Tensor,
+    observe: bool = False,
 ) -> "Fp8Quantizers":
     """Quantizers that quantize the weight and the input with these fixed dequant multipliers
-    (the grad_output quantizer is kept); for passes that must reproduce a rollout's FP8 exactly."""
+    (the grad_output quantizer is kept); for passes that must reproduce a rollout's FP8 exactly.
+    `observe`: the live input/weight quantizers still see every tensor and advance their state
+    (StaticQuantizer.observer), as a training forward needs; False (logprob passes) touches no state."""
     forward = quantizers.weight.fmt
     cache = getattr(quantizers.weight, "cache", None)
-    return Fp8Quantizers(StaticQuantizer(forward, input_scale_inv),
-                         StaticQuantizer(forward, weight_scale_inv, cache), quantizers.grad_output)
+    live_input, live_weight = (quantizers.input, quantizers.weight) if observe else (None, None)
+    return Fp8Quantizers(StaticQuantizer(forward, input_scale_inv, observer=live_input),
+                         StaticQuantizer(forward, weight_scale_inv, cache, observer=live_weight),
+                         quantizers.grad_output)
 
 
 def _on_device(state: DelayedScalingState, device: torch.device) -> DelayedScalingState:

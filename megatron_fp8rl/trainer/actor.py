@@ -109,15 +109,26 @@ class MegatronActor:
                 forward_only(self.model, micro_batches, self._forward_as_served, collect, seq)]
 
     def train(self, micro_batches: list[dict[str, torch.Tensor]],
-              loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]) -> StepResult:
-        """One optimizer step; `loss_fn(batch, logprobs, entropy)` returns (loss, metrics)."""
+              loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]],
+              served_scales: dict | None = None) -> StepResult:
+        """One optimizer step; `loss_fn(batch, logprobs, entropy)` returns (loss, metrics).
+
+        `served_scales` (aligned FP8 rollouts, on an update's first mini-batch, where θ = θ_old):
+        the forward computes exactly what the rollout engine and the recompute computed, so the
+        PPO ratio is exactly 1 there: the FP8 scales the engine served (the live quantizers still
+        observe every tensor and advance, `frozen_fp8(observe=True)`), the exact GEMM, SGLang's
+        attention calls (`_forward_as_served`, whose gradient is the batched call's). The
+        backward is the usual one. None: the live scales and one batched attention call."""
 
         def loss(batch, logits):
             logprobs, entropy = self.token_logprobs(batch, logits)
             return loss_fn(batch, logprobs, entropy)
 
         seq = micro_batches[0]["tokens"].shape[1]
-        return train_step(self.model, self.optimizer, micro_batches, self._forward, loss, seq)
+        if served_scales is None:
+            return train_step(self.model, self.optimizer, micro_batches, self._forward, loss, seq)
+        with self.frozen_fp8(served_scales, observe=True):
+            return train_step(self.model, self.optimizer, micro_batches, self._forward_as_served, loss, seq)
 
     def fp8_metrics(self) -> dict[str, float]:
         """This rank's FP8 quantization statistics of its last forward/backward, for tensorboard:
@@ -163,6 +174,8 @@ class MegatronActor:
         dist.all_gather_object(gathered, local)
         return {key: value for part in gathered for key, value in part.items()}
 
-    def frozen_fp8(self, scales: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]):
-        """Context manager: this rank's FP8 linears quantize with `scales` (no state changes)."""
-        return frozen_fp8_scales(self.model, scales)
+    def frozen_fp8(self, scales: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                   observe: bool = False):
+        """Context manager: this rank's FP8 linears quantize with `scales`; observe=False changes
+        no state (logprob passes), observe=True lets the live quantizers advance (training)."""
+        return frozen_fp8_scales(self.model, scales, observe)

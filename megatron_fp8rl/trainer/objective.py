@@ -109,12 +109,16 @@ def _correction(algo: AlgorithmConfig, old, rollout, mask, limits: Thresholds):
     return None
 
 
-def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = None):
+def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = None,
+                 at_old_policy: bool = False):
     """The callable `(micro_batch, logprobs [B, S], entropy [B, S]) -> (loss, metrics)` that the
     Megatron schedule runs per micro-batch: mismatch and noise metrics, TIS/MIS weights, the policy
     loss. `noise`: the step's noise floor; None only for bypass mode's first mini-batch, which
     estimates it per micro-batch from its forward at θ_old (module docstring). Decoupled micro-
-    batches carry `old_logprobs`; bypass ones use `rollout_logprobs` as π_old."""
+    batches carry `old_logprobs`; bypass ones use `rollout_logprobs` as π_old.
+    `at_old_policy` (the update's first mini-batch, θ = θ_old): also log the training forward's
+    own noise against π_old, noise/train_forward_abs_delta_{mean,max} = |log π_θ − log π_old|
+    over response tokens; nonzero means the PPO ratio carries that noise."""
     algo = cfg.algorithm
     bypass, ratio_level = algo.old_policy == "bypass", _ratio_level(algo)
     if noise is None and not bypass:
@@ -145,6 +149,8 @@ def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = 
                           agg_mode=algo.agg_mode, max_response_length=cfg.rollout.max_new_tokens,
                           denominator=denominator, correction_weights=weights, entropy=entropy,
                           entropy_coef=algo.entropy_coef)
+        if at_old_policy:
+            metrics.update(_train_forward_noise(logprobs, rollout if bypass else trainer_old, mask))
         if trainer_old is not None:
             metrics.update(clip_attribution(logprobs, trainer_old, rollout, mb["advantages"], mask,
                                             clip_low=limits.clip_low, clip_high=limits.clip_high,
@@ -152,3 +158,11 @@ def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = 
         return out.loss, {**out.metrics, **metrics}
 
     return loss_fn
+
+
+def _train_forward_noise(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor):
+    """|log π_θ − log π_old| [B, S] at θ = θ_old over the response tokens: mean and max."""
+    delta = (logprobs.detach().float() - old_logprobs.float()).abs() * mask
+    count = mask.sum().clamp(min=1)
+    return {"noise/train_forward_abs_delta_mean": delta.sum() / count,
+            "noise/train_forward_abs_delta_max": delta.max()}

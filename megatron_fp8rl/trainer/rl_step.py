@@ -151,20 +151,30 @@ def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
     (real values on the last pipeline stage, zeros elsewhere, where the loss is not computed)."""
     batch = _layout_rows(ctx, batch)
     micro = micro_batches(batch, ctx.cfg.train.micro_batch_size)
-    if ctx.cfg.rollout.fp8 == "aligned":
-        # Recompute with exactly the FP8 scales the rollout engine served (rollout_fp8.py).
-        if ctx.actor.rollout_scales is None:
-            ctx.actor.rollout_scales = served_scales(Path(ctx.cfg.run_dir) / ROLLOUT_CHECKPOINT)
-        with ctx.actor.frozen_fp8(ctx.actor.rollout_scales):
+    scales = _served_scales(ctx)
+    if scales is not None:  # recompute with exactly the FP8 scales the rollout engine served
+        with ctx.actor.frozen_fp8(scales):
             per_micro = ctx.actor.logprobs(micro)
     else:
         per_micro = ctx.actor.logprobs(micro)
     return torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs)
 
 
+def _served_scales(ctx: StepContext) -> dict | None:
+    """Aligned FP8 rollouts: the FP8 scales the rollout engine serves now (from the last weight
+    sync, or before the first one from the start-up FP8 checkpoint, rollout_fp8.py); else None."""
+    if ctx.cfg.rollout.fp8 != "aligned":
+        return None
+    if ctx.actor.rollout_scales is None:
+        ctx.actor.rollout_scales = served_scales(Path(ctx.cfg.run_dir) / ROLLOUT_CHECKPOINT)
+    return ctx.actor.rollout_scales
+
+
 def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | None) -> dict[str, float]:
     """One optimizer step per mini-batch on this rank's DP slice; metrics averaged over steps.
-    `old_logprobs` None: bypass mode, where the first mini-batch measures the noise floor (objective.py)."""
+    `old_logprobs` None: bypass mode, where the first mini-batch measures the noise floor (objective.py).
+    Aligned FP8 rollouts: the first mini-batch (θ = θ_old) trains on a forward in the rollout's
+    own arithmetic (MegatronActor.train's served_scales), so its PPO ratio is exactly 1."""
     cfg = ctx.cfg
     batch = _layout_rows(ctx, batch)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -172,16 +182,16 @@ def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | N
     noise = None if old_logprobs is None else step_noise_floor(cfg, batch, old_logprobs)
     rows = torch.arange(batch.size)
     results = []
-    for mini_rows in rows.chunk(cfg.train.mini_batches):
+    for index, mini_rows in enumerate(rows.chunk(cfg.train.mini_batches)):
         mini = batch.select(mini_rows)
-        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, mini, dp_size), noise)
+        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, mini, dp_size), noise, at_old_policy=index == 0)
         mine = mini_rows.chunk(dp_size)[dp_rank]
         local = batch.select(mine)
         micro = micro_batches(local, cfg.train.micro_batch_size)
         if old_logprobs is not None:
             for mb, old in zip(micro, old_logprobs[mine].split(cfg.train.micro_batch_size)):
                 mb["old_logprobs"] = old
-        results.append(ctx.actor.train(micro, loss_fn))
+        results.append(ctx.actor.train(micro, loss_fn, _served_scales(ctx) if index == 0 else None))
         if noise is None:
             noise = NoiseFloor.from_metrics(results[0].metrics, noise_levels(cfg.algorithm))
     # bypass: π_old-dependent metrics (mismatch, clip attribution) exist for the first mini-batch only

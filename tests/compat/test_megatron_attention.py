@@ -107,3 +107,29 @@ def test_bad_layouts_and_configs_are_refused(megatron_tp1):
         attention(q, k, v, torch.ones(1, 1, 10, 10, dtype=torch.bool))
     with pytest.raises(ValueError, match="SdpaAttention: window_size not supported"):
         _attention(SdpaAttention, window_size=(4, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_forward_in_the_layout_has_the_served_value_and_the_batched_gradient(megatron_tp1, dtype):
+    """Under autograd (the aligned training forward) the layout's output equals the no-grad
+    served calls bit for bit, and its input gradients equal those of the one batched call."""
+    prompts = [13, 20, 7]
+    q, k, v = _qkv(30, 3, dtype, seed=2)
+    attention = _attention(SdpaAttention)
+    with torch.no_grad(), sglang_call_layout(prompts):
+        served = attention(q, k, v, None)
+    weights = torch.randn(served.shape, generator=torch.Generator().manual_seed(5))  # a linear loss:
+    results = []  # the same upstream gradient whatever the output's last bits
+    for layout in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if layout:
+            with sglang_call_layout(prompts):
+                out = attention(*leaves, None)
+        else:
+            out = attention(*leaves, None)
+        (out.float() * weights).sum().backward()
+        results.append((out.detach(), [t.grad for t in leaves]))
+    (trained, layout_grads), (batched, batched_grads) = results
+    assert torch.equal(trained, served)
+    assert not torch.equal(batched, served)  # the two layouts differ in the last bits
+    assert all(torch.equal(a, b) for a, b in zip(layout_grads, batched_grads))

@@ -59,3 +59,29 @@ def test_frozen_quantizers_reproduce_the_live_forward_and_leave_state_alone():
     # live quantizes with s, frozen with 1 / (1 / s); for this seed that fp32 round trip is exact
     assert torch.equal(w_inv.reciprocal(), scales[0]) and torch.equal(in_inv.reciprocal(), scales[1])
     assert torch.equal(frozen, live)
+
+
+def test_observing_frozen_quantizers_advance_the_live_state_as_a_live_pass_would():
+    """observe=True (the aligned training forward): the output is the frozen one, bit for bit,
+    and the live calibrated quantizers end in exactly the state a live pass over the same tensors
+    leaves; observe=False leaves it untouched."""
+    torch.manual_seed(1)
+    recipe = CalibratedDelayedScaling(amax_history_len=4)
+    weight, x1, x2 = torch.randn(24, 16), torch.randn(10, 16), 3 * torch.randn(10, 16)
+    observed, reference = make_quantizers(recipe), make_quantizers(recipe)
+    for quantizers in (observed, reference):
+        fp8_linear(x1, weight, None, quantizers)
+    w_inv = next_scale(observed.weight, weight).reciprocal()
+    in_inv = next_scale(observed.input).reciprocal()
+    plain_frozen = fp8_linear(x2, weight, None, frozen_quantizers(observed, w_inv, in_inv))
+    assert torch.equal(observed.state_dict()["input"]["amax_history"],
+                       reference.state_dict()["input"]["amax_history"])
+    frozen = fp8_linear(x2, weight, None, frozen_quantizers(observed, w_inv, in_inv, observe=True))
+    fp8_linear(x2, weight, None, reference)  # the live pass over the same tensors
+    assert torch.equal(frozen, plain_frozen)
+    for role in ("input", "weight"):
+        for key, value in reference.state_dict()[role].items():
+            assert torch.equal(observed.state_dict()[role][key], value), (role, key)
+    # x2 escapes x1's bound: the live input scale recalibrated, the frozen pass used the old one
+    assert not torch.equal(observed.input.state.scale, in_inv.reciprocal())
+    assert observed.input.last_stats.saturated_fraction > 0

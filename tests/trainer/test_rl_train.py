@@ -108,3 +108,20 @@ def test_aligned_fp8_rollout_removes_the_mismatch(tiny_run_inputs, tmp_path):
     print(f"mismatch mean |dlogp| per step: fp32 rollout {baseline}, aligned FP8 rollout {aligned}")
     assert len(aligned) == 2 and len(baseline) == 2
     assert max(aligned) * 20 < min(baseline)
+
+
+@pytest.mark.multiprocess
+def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path):
+    """Full FP8 (calibrated trainer, aligned rollouts), plain GRPO, one mini-batch per step: the
+    update's forward runs at θ = θ_old in the rollout's arithmetic, so on every token of both
+    steps the PPO ratio is exactly 1, nothing is clipped and the training forward's logprobs
+    equal the recompute's bit for bit (1 torchrun process + SGLang's 2)."""
+    _train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "rollout.fp8=aligned",
+           "algorithm.name=grpo", "algorithm.clip_high=0.2", "train.mini_batches=1",
+           "train.eval_every=0", "algorithm.dynamic_sampling=false")
+    scalars = _scalars(tmp_path)
+    for tag in ("train/ratio_min", "train/ratio_max", "train/ratio_mean"):
+        assert scalars[tag] == [1.0, 1.0], (tag, scalars[tag])
+    for tag in ("train/clip_frac_low", "train/clip_frac_high", "noise/train_forward_abs_delta_max"):
+        assert scalars[tag] == [0.0, 0.0], (tag, scalars[tag])
+    assert max(scalars["train/mismatch_abs_logprob_diff_mean"]) < 1e-3
