@@ -34,6 +34,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
+from megatron_fp8rl.compat.aligned_threads import single_threaded
+
 _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
 
 
@@ -108,6 +110,10 @@ class SdpaAttention(DotProductAttention):
         if bad:
             raise ValueError(f"sglang_call_layout: prompt length {bad[0]} outside 1..{query.shape[0]} "
                              f"(the batch's sequence length)")
+        with single_threaded():  # SGLang's side runs them with one thread too (aligned_threads.py)
+            return self._sglang_call_loop(query, key, value, prompt_lengths, gqa)
+
+    def _sglang_call_loop(self, query, key, value, prompt_lengths, gqa):
         prompts = torch.tensor(prompt_lengths)
         context = torch.empty_like(query)
         for prompt in sorted(set(prompt_lengths)):
@@ -135,7 +141,7 @@ class _ValueOf(torch.autograd.Function):
     def forward(ctx, carrier, value):
         if carrier.shape != value.shape:
             raise ValueError(f"_ValueOf: carrier {tuple(carrier.shape)} and value {tuple(value.shape)} differ")
-        return carrier.clone()
+        return value.clone()
 
     @staticmethod
     def backward(ctx, grad):

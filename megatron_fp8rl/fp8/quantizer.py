@@ -288,7 +288,7 @@ class StaticQuantizer:
     def quantize(self, x: torch.Tensor) -> Fp8Tensor:
         result = self._quantize(x)
         if self.observer is not None:
-            pass
+            self.observer.quantize(x)
             self.observer.last_stats = self.last_stats
         return result
 

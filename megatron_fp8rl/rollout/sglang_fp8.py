@@ -2,7 +2,8 @@
 
 Owns: `Fp8RLConfig` (SGLang `QuantizationConfig`, method name `OUR_FP8_METHOD`), its linear method
 `Fp8RLLinearMethod`, and `register()`, the `sglang.srt.plugins` entry point (setup.py) that SGLang's
-`load_plugins()` runs in its main process, scheduler and detokenizer.
+`load_plugins()` runs in its main process, scheduler and detokenizer; it also pins SGLang's
+torch_native attention calls to one thread (compat/aligned_threads.py), as the trainer runs them.
 Must not import: models, convert, data, trainer, cli. Imports sglang: load it only where SGLang runs.
 
 Checkpoint layouts served (what convert/fp8_export.py writes; `quant_method: fp8`):
@@ -35,6 +36,7 @@ from sglang.srt.layers.parameter import ModelWeightParameter
 from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
+from megatron_fp8rl.compat.aligned_threads import pin_torch_native_attention_threads
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.linear import fp8_matmul_nt, resolve_gemm
 from megatron_fp8rl.fp8.quantize import (
@@ -265,6 +267,8 @@ def register() -> None:
     scheduler is spawned and runs `load_plugins()` itself (DESIGN.md)."""
     from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
     from sglang.srt.layers import linear, quantization
+
+    pin_torch_native_attention_threads()  # the trainer repeats these calls single-threaded
 
     quantization.QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig
     quantization.CPU_QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig

@@ -9,6 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_fp8rl.compat import sglang_cpu
+from megatron_fp8rl.compat.aligned_threads import pin_torch_native_attention_threads
 from megatron_fp8rl.compat.megatron_attention import SdpaAttention, sglang_call_layout
 
 HEADS, GROUPS, DIM = 9, 3, 64  # SmolLM2-135M's attention (GQA 3:1)
@@ -34,6 +35,8 @@ def _sglang_serving(q, k, v, prompts, lengths, cached):
     The KV cache is filled with each sequence's own k/v rows, as SGLang's forward stores them."""
     sglang_cpu.install()
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend as backend
+
+    pin_torch_native_attention_threads()  # what our SGLang plugin does in the scheduler
 
     seq, batch = q.shape[:2]
     k_cache = k.transpose(0, 1).reshape(batch * seq, GROUPS, DIM).contiguous()
@@ -65,15 +68,31 @@ def _sglang_serving(q, k, v, prompts, lengths, cached):
     return out
 
 
+def _with_threads(count, fn, *args):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("threads", [(1, 1), (2, 2), (1, 2), (2, 1)], ids=lambda t: f"sglang{t[0]}-trainer{t[1]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_call_layout_gives_sglang_torch_native_bits(megatron_tp1, dtype):
+def test_call_layout_gives_sglang_torch_native_bits(megatron_tp1, dtype, threads):
+    """Whatever thread count either side runs with (SGLang's scheduler and the trainer need not
+    agree): compat/aligned_threads.py runs the aligned calls single-threaded on both."""
     prompts, lengths, cached = [13, 20, 13, 7], [40, 31, 36, 25], [0, 0, 12, 0]
     q, k, v = _qkv(40, 4, dtype)
     k[:13, 2], v[:13, 2] = k[:13, 0], v[:13, 0]  # request 2 shares request 0's prompt (radix hit)
     q[:13, 2] = q[:13, 0]
-    expected = _sglang_serving(q, k, v, prompts, lengths, cached)
-    with torch.no_grad(), sglang_call_layout(prompts):
-        ours = _attention(SdpaAttention)(q, k, v, None).reshape(q.shape)
+    expected = _with_threads(threads[0], _sglang_serving, q, k, v, prompts, lengths, cached)
+
+    def trainer():
+        with torch.no_grad(), sglang_call_layout(prompts):
+            return _attention(SdpaAttention)(q, k, v, None).reshape(q.shape)
+
+    ours = _with_threads(threads[1], trainer)
     for b, length in enumerate(lengths):
         assert torch.equal(ours[cached[b]:length, b], expected[cached[b]:length, b]), f"sequence {b}"
     assert torch.equal(ours[:12, 2], expected[:12, 0])  # the cached rows were served for request 0
@@ -133,3 +152,38 @@ def test_training_forward_in_the_layout_has_the_served_value_and_the_batched_gra
     assert torch.equal(trained, served)
     assert not torch.equal(batched, served)  # the two layouts differ in the last bits
     assert all(torch.equal(a, b) for a, b in zip(layout_grads, batched_grads))
+
+
+def test_the_aligned_calls_run_single_threaded_on_both_sides(megatron_tp1):
+    """The pin itself: inside SGLang's torch_native SDPA calls and the trainer's layout calls torch
+    runs one intra-op thread, and the caller's count is back afterwards."""
+    import torch.nn.functional as functional
+
+    from megatron_fp8rl.compat import megatron_attention
+
+    seen = []
+    original = functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    q, k, v = _qkv(12, 2, torch.float32)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        megatron_attention.scaled_dot_product_attention = recording
+        import sglang.srt.layers.attention.torch_native_backend as native
+        native_original = native.scaled_dot_product_attention
+        native.scaled_dot_product_attention = recording
+        try:
+            _sglang_serving(q, k, v, [5, 7], [12, 10], [0, 0])
+            with torch.no_grad(), sglang_call_layout([5, 7]):
+                _attention(SdpaAttention)(q, k, v, None)
+        finally:
+            megatron_attention.scaled_dot_product_attention = original
+            native.scaled_dot_product_attention = native_original
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+    assert len(seen) > 10 and set(seen) == {1}, seen
