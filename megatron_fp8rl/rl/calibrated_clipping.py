@@ -1,0 +1,221 @@
+"""Calibrated Clipping ("Towards Full Pipeline FP8 Reinforcement Learning for LLMs", arXiv
+2609.22870): PPO clip bounds for FP8 ratios, matched to a high-precision shadow of the same batch.
+
+Owns: the pure math of the method: which ratios take part (`calibration_values`), the shadow's clip
+share α (`shadow_clip_share`), the lower bound L matched to it (`matched_lower_bound`), the update
+balance p (`update_balance`) and the upper bound H that restores it (`rebalanced_upper_bound`),
+smoothing, the paper's diagnostic (`clip_diagnostic`), and one calibration end to end
+(`calibrate`). Must not import: anything of megatron_fp8rl outside rl/, megatron, model code (L0).
+
+The failure it answers: with old and current logprobs both in FP8, quantization noise spreads the
+importance ratio r = π_θ/π_old. A negative-advantage token whose high-precision ratio is above
+1 − ε_low but whose FP8 ratio falls below it is clipped (no gradient): bad tokens go unpunished.
+
+The method (notation: r_s the shadow's ratio, r the FP8 one, on the same tokens at the same θ;
+N⁻ the negative-advantage tokens, N⁺ the positive ones):
+- α = |{t ∈ N⁻ : r_s,t < 1 − ε_low}| / |N⁻|, the share of bad tokens high precision clips.
+- L = the α-quantile of {r_t : t ∈ N⁻}: FP8 clips (r < L) the same share of them. Concretely L is
+  the k-th smallest FP8 ratio with k = round(α·|N⁻|), so exactly k are strictly below it (fewer
+  with ties); k = 0 gives the smallest ratio (nothing clipped).
+- p = Σ_{t∈N⁺, r≤H} |A_t|·r_t / Σ_{t∈N⁻, r≥L} |A_t|·r_t, the ratio of the positive to the negative
+  update magnitude over the tokens the clip leaves active (*our reading* of the paper's
+  "rebalanced so the positive/negative update magnitudes match"). p_shadow uses r_s with
+  [1 − ε_low, 1 + ε_high]; H is the smallest FP8 positive ratio at which p_FP8(H) with [L, H]
+  reaches p_shadow. p_FP8 is a non-decreasing step function of H, so sorting the positive tokens
+  by r and taking the first cumulative sum that reaches the target is the exact bisection.
+- Both bounds are kept within configured limits, smoothed over calibrations,
+  b ← β·b_previous + (1 − β)·b_new (the first calibration takes b_new), and used until the next.
+- Sequence level (GSPO, beyond the paper): the same matching over per-sequence ratios s_i and
+  sequence advantages instead of tokens.
+A calibration is skipped (the previous bounds stay, the reason is returned) when any ratio is
+not finite; a batch without negative-advantage tokens keeps the previous L, one without
+positive-advantage tokens (or without active negative magnitude) the previous H.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron_fp8rl.rl.common import RLInputError, check_same_shape, float_mask
+
+
+@dataclass(frozen=True)
+class ClipBounds:
+    """The PPO clip interval on the ratio itself: tokens with A < 0 and r < low, or A > 0 and
+    r > high, are clipped (no gradient). Plain PPO: low = 1 − ε_low, high = 1 + ε_high."""
+
+    low: float
+    high: float
+
+    def __post_init__(self):
+        if not (0 <= self.low <= 1 <= self.high) or not all(map(math.isfinite, (self.low, self.high))):
+            raise RLInputError(f"clip bounds need 0 <= low <= 1 <= high, finite; got [{self.low}, {self.high}]")
+
+    @classmethod
+    def from_epsilons(cls, clip_low: float, clip_high: float) -> "ClipBounds":
+        return cls(1.0 - clip_low, 1.0 + clip_high)
+
+    def epsilons(self) -> tuple[float, float]:
+        """(ε_low, ε_high) with low = 1 − ε_low and high = 1 + ε_high."""
+        return 1.0 - self.low, self.high - 1.0
+
+
+def calibration_values(ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                       level: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+    """The (ratio, advantage) pairs that calibration counts, as flat fp64 vectors [N].
+
+    token: one pair per response token (mask = 1). sequence: one pair per row with a response,
+    the row's first masked value (GSPO's s_i and the sequence advantage are constant on a row).
+    Inputs [B, T]."""
+    check_same_shape("ratio", ratio, advantages=advantages, response_mask=response_mask)
+    mask = float_mask("response_mask", response_mask, ratio.float()).bool()
+    if level == "token":
+        return ratio.detach()[mask].double(), advantages.detach()[mask].double()
+    if level != "sequence":
+        raise RLInputError(f"unknown calibration level {level!r}; choose token or sequence")
+    rows = mask.any(dim=1)
+    first = mask.int().argmax(dim=1)
+    index = torch.arange(ratio.shape[0])
+    return ratio.detach()[index, first][rows].double(), advantages.detach()[index, first][rows].double()
+
+
+def is_clipped(ratio: torch.Tensor, advantages: torch.Tensor, bounds: ClipBounds) -> torch.Tensor:
+    """Where PPO's clip is active: (A > 0 and r > high) or (A < 0 and r < low); bool, like ratio."""
+    return ((advantages > 0) & (ratio > bounds.high)) | ((advantages < 0) & (ratio < bounds.low))
+
+
+def shadow_clip_share(shadow_ratio: torch.Tensor, advantages: torch.Tensor, low: float) -> float | None:
+    """α = share of negative-advantage values whose shadow ratio is below `low`; None without any."""
+    negative = advantages < 0
+    if not bool(negative.any()):
+        return None
+    return float((shadow_ratio[negative] < low).double().mean())
+
+
+def matched_lower_bound(ratio: torch.Tensor, advantages: torch.Tensor, alpha: float) -> float | None:
+    """L such that round(α·|N⁻|) negative-advantage ratios lie strictly below it (module
+    docstring); None without negative-advantage values."""
+    if not 0 <= alpha <= 1:
+        raise RLInputError(f"alpha must be in [0, 1], got {alpha}")
+    negative = torch.sort(ratio[advantages < 0]).values
+    if negative.numel() == 0:
+        return None
+    k = round(alpha * negative.numel())
+    if k >= negative.numel():
+        return math.nextafter(float(negative[-1]), math.inf)
+    return float(negative[k])
+
+
+def update_balance(ratio: torch.Tensor, advantages: torch.Tensor, bounds: ClipBounds) -> float | None:
+    """p = Σ_{A>0, r≤high} |A|·r / Σ_{A<0, r≥low} |A|·r; None when the denominator is 0."""
+    weight = advantages.abs() * ratio
+    positive = ((advantages > 0) & (ratio <= bounds.high)).double()
+    negative = ((advantages < 0) & (ratio >= bounds.low)).double()
+    denominator = float((weight * negative).sum())
+    return float((weight * positive).sum()) / denominator if denominator > 0 else None
+
+
+def rebalanced_upper_bound(ratio: torch.Tensor, advantages: torch.Tensor, low: float,
+                           target: float) -> float | None:
+    """The smallest H among the positive-advantage ratios with p(H) >= `target` for the interval
+    [low, H] (module docstring); for a target of 0, just below the smallest of them (none active);
+    the largest positive ratio when even that falls short; None
+    without positive-advantage values or without active negative magnitude."""
+    negative = (advantages < 0) & (ratio >= low)
+    denominator = float((advantages.abs() * ratio)[negative].sum())
+    positive = advantages > 0
+    if denominator <= 0 or not bool(positive.any()):
+        return None
+    order = torch.argsort(ratio[positive])
+    sorted_ratio = ratio[positive][order]
+    if target <= 0:  # nothing may stay active: just below the smallest positive ratio
+        return math.nextafter(float(sorted_ratio[0]), -math.inf)
+    cumulative = torch.cumsum((advantages[positive].abs() * ratio[positive])[order], dim=0)
+    # relative slack: p·denominator round-trips through a division (1 ulp must not skip a token)
+    reached = (cumulative >= target * denominator * (1 - 1e-12)).nonzero()
+    return float(sorted_ratio[reached[0, 0]] if reached.numel() else sorted_ratio[-1])
+
+
+def smoothed(previous: float | None, new: float, smoothing: float) -> float:
+    """β·previous + (1 − β)·new; `new` when there is no previous value."""
+    if not 0 <= smoothing < 1:
+        raise RLInputError(f"smoothing must be in [0, 1), got {smoothing}")
+    return new if previous is None else smoothing * previous + (1 - smoothing) * new
+
+
+def clip_diagnostic(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch.Tensor,
+                    bounds: ClipBounds, shadow_bounds: ClipBounds) -> dict[str, float]:
+    """The paper's diagnostic, as shares of the negative (or positive) advantage values:
+    neg_overclip   clipped on the FP8 ratio with `bounds`, not on the shadow's with `shadow_bounds`
+                   (the failure: bad tokens FP8 silences that high precision would punish)
+    neg_underclip  the reverse; pos_overclip / pos_underclip likewise for A > 0.
+    NaN for a sign without values."""
+    fp8, shadow = is_clipped(ratio, advantages, bounds), is_clipped(shadow_ratio, advantages, shadow_bounds)
+    out = {}
+    for sign, where in (("neg", advantages < 0), ("pos", advantages > 0)):
+        count = int(where.sum())
+        for name, mask in (("overclip", fp8 & ~shadow), ("underclip", shadow & ~fp8)):
+            out[f"{sign}_{name}"] = float((mask & where).sum()) / count if count else math.nan
+    return out
+
+
+@dataclass(frozen=True)
+class ClipLimits:
+    """Where calibrated bounds may go: low in [low_min, low_max], high in [high_min, high_max]."""
+
+    low_min: float
+    low_max: float
+    high_min: float
+    high_max: float
+
+    def clamp(self, bounds: ClipBounds) -> ClipBounds:
+        return ClipBounds(min(max(bounds.low, self.low_min), self.low_max),
+                          min(max(bounds.high, self.high_min), self.high_max))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One calibration's outcome: the bounds to use from now on and what led to them."""
+
+    bounds: ClipBounds
+    """Bounds in force after this calibration (the previous ones when skipped)."""
+    skipped: str | None
+    """Why nothing changed (non-finite values, no values), else None."""
+    alpha: float
+    """Shadow clip share of the negative-advantage values (NaN without any)."""
+    balance_shadow: float
+    """p of the shadow at the configured bounds (NaN when undefined)."""
+    balance_fp8: float
+    """p of the FP8 ratios at the new bounds (NaN when undefined)."""
+    before: dict[str, float]
+    """clip_diagnostic with the bounds in force before this calibration."""
+    after: dict[str, float]
+    """clip_diagnostic with the new bounds."""
+
+
+def calibrate(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch.Tensor,
+              configured: ClipBounds, current: ClipBounds, previous: ClipBounds | None,
+              limits: ClipLimits, smoothing: float) -> Calibration:
+    """One Calibrated Clipping update from flat [N] FP8 ratios, shadow ratios and advantages
+    (`calibration_values`). `configured`: the plain PPO interval the shadow is clipped with;
+    `current`: the FP8 bounds in force (diagnostic 'before'); `previous`: the last calibrated
+    bounds (None before the first calibration: no smoothing)."""
+    check_same_shape("ratio", ratio, shadow_ratio=shadow_ratio, advantages=advantages)
+    nan = math.nan
+    if ratio.numel() == 0 or not bool(torch.isfinite(ratio).all() & torch.isfinite(shadow_ratio).all()):
+        reason = "no values" if ratio.numel() == 0 else "non-finite ratio"
+        return Calibration(current, reason, nan, nan, nan, {}, {})
+    before = clip_diagnostic(ratio, shadow_ratio, advantages, current, configured)
+    alpha = shadow_clip_share(shadow_ratio, advantages, configured.low)
+    low = current.low if alpha is None else matched_lower_bound(ratio, advantages, alpha)
+    low = min(max(smoothed(previous and previous.low, low, smoothing), limits.low_min), limits.low_max)
+    target = update_balance(shadow_ratio, advantages, configured)
+    high = None if target is None else rebalanced_upper_bound(ratio, advantages, low, target)
+    high = current.high if high is None else smoothed(previous and previous.high, high, smoothing)
+    bounds = limits.clamp(ClipBounds(low, max(high, 1.0)))
+    after = clip_diagnostic(ratio, shadow_ratio, advantages, bounds, configured)
+    balance = update_balance(ratio, advantages, bounds)
+    return Calibration(bounds, None, nan if alpha is None else alpha, nan if target is None else target,
+                       nan if balance is None else balance, before, after)

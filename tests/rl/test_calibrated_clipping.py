@@ -1,0 +1,155 @@
+"""Calibrated Clipping's math (rl/calibrated_clipping.py): hand-computed cases and properties."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_fp8rl.rl.calibrated_clipping import (
+    ClipBounds,
+    ClipLimits,
+    calibrate,
+    calibration_values,
+    clip_diagnostic,
+    is_clipped,
+    matched_lower_bound,
+    rebalanced_upper_bound,
+    shadow_clip_share,
+    smoothed,
+    update_balance,
+)
+from megatron_fp8rl.rl.common import RLInputError
+
+PLAIN = ClipBounds.from_epsilons(0.2, 0.28)
+WIDE = ClipLimits(low_min=0.0, low_max=1.0, high_min=1.0, high_max=10.0)
+
+
+def _t(*values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_hand_computed_lower_bound_and_share():
+    # 5 negative tokens; the shadow clips 2 of them (0.7, 0.75 < 0.8)
+    shadow = _t(0.70, 0.75, 0.85, 0.95, 1.00, 1.1)
+    fp8 = _t(0.60, 0.78, 0.79, 0.90, 1.05, 1.2)
+    adv = _t(-1, -1, -1, -1, -1, 2)
+    alpha = shadow_clip_share(shadow, adv, PLAIN.low)
+    assert alpha == pytest.approx(0.4)
+    # k = round(0.4 * 5) = 2: the 3rd smallest FP8 negative ratio; 0.60 and 0.78 lie below it
+    assert matched_lower_bound(fp8, adv, alpha) == pytest.approx(0.79)
+    assert matched_lower_bound(fp8, adv, 0.0) == pytest.approx(0.60)  # nothing strictly below
+    assert matched_lower_bound(fp8, adv, 1.0) > 1.05  # everything below
+    assert matched_lower_bound(fp8, _t(1, 1, 1, 1, 1, 1), 0.5) is None
+    assert shadow_clip_share(shadow, _t(1, 1, 1, 1, 1, 1), 0.8) is None
+
+
+def test_hand_computed_balance_and_upper_bound():
+    ratio = _t(0.9, 1.0, 1.1, 1.3, 1.5)
+    adv = _t(-2, -1, 1, 1, 1)
+    # active negatives: 2*0.9 + 1*1.0 = 2.8; positives up to H=1.28: 1.1 -> p = 1.1 / 2.8
+    assert update_balance(ratio, adv, PLAIN) == pytest.approx(1.1 / 2.8)
+    # target 2.4/2.8 (1.1 + 1.3 active): the smallest H reaching it is 1.3
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 2.4 / 2.8) == pytest.approx(1.3)
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 0.1) == pytest.approx(1.1)
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 99.0) == pytest.approx(1.5)  # falls short: max
+    assert rebalanced_upper_bound(ratio, _t(1, 1, 1, 1, 1), 0.8, 1.0) is None  # no negatives
+    assert update_balance(ratio, _t(1, 1, 1, 1, 1), PLAIN) is None
+
+
+def test_diagnostic_counts_overclipped_negatives():
+    shadow = _t(0.9, 0.9, 0.7, 1.0, 1.5)
+    fp8 = _t(0.7, 0.9, 0.9, 1.0, 1.2)
+    adv = _t(-1, -1, -1, -1, 1)
+    out = clip_diagnostic(fp8, shadow, adv, PLAIN, PLAIN)
+    assert out["neg_overclip"] == pytest.approx(0.25)  # token 0: FP8 clips, shadow does not
+    assert out["neg_underclip"] == pytest.approx(0.25)  # token 2: the reverse
+    assert out["pos_overclip"] == 0.0 and out["pos_underclip"] == 1.0
+    assert math.isnan(clip_diagnostic(fp8[:1], shadow[:1], adv[:1], PLAIN, PLAIN)["pos_overclip"])
+
+
+def test_sequence_level_values_take_one_per_row():
+    ratio = torch.tensor([[1.0, 1.2, 1.2, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 0.9, 0.9, 0.9]])
+    adv = torch.tensor([[0.0, 2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [0, 1, 1, 1]])
+    values, advantages = calibration_values(ratio, adv, mask, "sequence")
+    assert values.tolist() == pytest.approx([1.2, 0.9]) and advantages.tolist() == [2.0, -1.0]
+    values, _ = calibration_values(ratio, adv, mask, "token")
+    assert values.numel() == 5
+    with pytest.raises(RLInputError, match="unknown calibration level 'group'"):
+        calibration_values(ratio, adv, mask, "group")
+
+
+def test_smoothing_and_bad_input():
+    assert smoothed(None, 0.7, 0.5) == 0.7
+    assert smoothed(0.8, 0.6, 0.5) == pytest.approx(0.7)
+    with pytest.raises(RLInputError, match="smoothing must be in"):
+        smoothed(0.8, 0.6, 1.0)
+    with pytest.raises(RLInputError, match="0 <= low <= 1 <= high"):
+        ClipBounds(1.1, 1.2)
+
+
+def test_non_finite_or_empty_batches_keep_the_bounds():
+    current = ClipBounds(0.75, 1.3)
+    ratio, adv = _t(0.9, float("nan")), _t(-1, 1)
+    out = calibrate(ratio, _t(0.9, 1.0), adv, PLAIN, current, current, WIDE, 0.5)
+    assert out.bounds == current and out.skipped == "non-finite ratio"
+    out = calibrate(_t(), _t(), _t(), PLAIN, current, None, WIDE, 0.5)
+    assert out.bounds == current and out.skipped == "no values"
+    # no negative-advantage value: L stays, H still rebalances
+    out = calibrate(_t(1.1, 1.2), _t(1.1, 1.2), _t(1, 1), PLAIN, current, None, WIDE, 0.0)
+    assert out.bounds.low == current.low and out.skipped is None
+
+
+def test_fp8_noise_moves_the_lower_bound_down_and_removes_the_overclipping():
+    """The paper's failure in miniature: the shadow ratios sit inside the interval, FP8 noise
+    spreads them; before calibration FP8 over-clips negatives, after it the share matches."""
+    gen = torch.Generator().manual_seed(0)
+    n = 4000
+    adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    shadow = (1 + 0.05 * torch.randn(n, generator=gen)).double()
+    fp8 = shadow * torch.exp(0.15 * torch.randn(n, generator=gen)).double()
+    out = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, WIDE, 0.0)
+    assert out.before["neg_overclip"] > 0.05
+    assert out.bounds.low < PLAIN.low
+    negative = adv < 0
+    fp8_share = float((fp8[negative] < out.bounds.low).double().mean())
+    assert fp8_share == pytest.approx(out.alpha, abs=1 / negative.sum().item() + 1e-12)
+    assert out.after["neg_overclip"] < out.before["neg_overclip"] / 2
+    assert out.balance_fp8 == pytest.approx(out.balance_shadow, rel=0.02)
+
+
+ratios = st.lists(st.floats(0.05, 3.0), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=ratios, signs=st.lists(st.sampled_from([-1.0, 1.0]), min_size=60, max_size=60),
+       eps=st.tuples(st.floats(0.05, 0.5), st.floats(0.05, 0.5)))
+def test_identical_ratios_clip_exactly_what_the_plain_interval_clips(values, signs, eps):
+    ratio, adv = _t(*values), _t(*signs[:len(values)])
+    configured = ClipBounds.from_epsilons(*eps)
+    out = calibrate(ratio, ratio.clone(), adv, configured, configured, None, WIDE, 0.0)
+    assert torch.equal(is_clipped(ratio, adv, out.bounds), is_clipped(ratio, adv, configured))
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=ratios, shadow=ratios, signs=st.lists(st.sampled_from([-1.0, 1.0]), min_size=60, max_size=60),
+       smoothing=st.floats(0.0, 0.9))
+def test_bounds_stay_within_their_limits(values, shadow, signs, smoothing):
+    n = min(len(values), len(shadow))
+    ratio, shadow_ratio, adv = _t(*values[:n]), _t(*shadow[:n]), _t(*signs[:n])
+    limits = ClipLimits(low_min=0.6, low_max=0.9, high_min=1.1, high_max=1.5)
+    out = calibrate(ratio, shadow_ratio, adv, PLAIN, PLAIN, ClipBounds(0.7, 1.4), limits, smoothing)
+    assert 0.6 <= out.bounds.low <= 0.9 and 1.1 <= out.bounds.high <= 1.5
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.floats(0.5, 1.5), min_size=4, max_size=40), spread=st.floats(1.05, 3.0))
+def test_wider_fp8_lower_tail_moves_the_lower_bound_down(values, spread):
+    """Stretching the FP8 ratios away from 1 (more noise) never raises the matched L."""
+    shadow = _t(*values)
+    adv = -torch.ones_like(shadow)
+    narrow = calibrate(shadow, shadow, adv, PLAIN, PLAIN, None, WIDE, 0.0).bounds.low
+    wide_ratio = torch.exp(torch.log(shadow) * spread)
+    wide = calibrate(wide_ratio, shadow, adv, PLAIN, PLAIN, None, WIDE, 0.0).bounds.low
+    assert wide <= narrow + 1e-12 or narrow >= 1.0
