@@ -6,7 +6,8 @@ Owns: `Fp8ColumnParallelLinear` / `Fp8RowParallelLinear` (drop-ins for the
 the per-decoder-layer view the rollout alignment needs: `fp8_decoder_linears(model)` (global layer
 number, path, module), `shared_fp8_scales(model)` (the scales a rollout engine must use to
 compute what the next forward computes) and `frozen_fp8_scales(model, scales)` (a pass whose weight and input
-quantizers use given dequant multipliers, e.g. those the rollout engine served).
+quantizers use given dequant multipliers, e.g. those the rollout engine served), and
+`high_precision_fp8_linears(model)` (a pass with every FP8 linear in high precision: the shadow).
 Must not import: anything above layer L1 (models, convert, rollout, trainer, cli).
 
 What changes against Megatron's layers: only `_forward_impl`, the matmul (megatron-core 0.16.1's
@@ -74,10 +75,15 @@ class _Fp8LinearMixin:
         self.fp8_recipe = CalibratedDelayedScaling() if fp8_recipe is None else fp8_recipe
         self.fp8_gemm = fp8_gemm
         self.fp8_quantizers = make_quantizers(self.fp8_recipe, _amax_reduction_group())
+        self.fp8_high_precision = False
+        """True inside `high_precision_fp8_linears`: Megatron's own matmul, no quantizer touched."""
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
                       allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
                       tp_group=None, **unused):
+        if self.fp8_high_precision:
+            return super()._forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                                         sequence_parallel, grad_output_buffer, tp_group=tp_group, **unused)
         _check_supported(type(self).__name__, sequence_parallel, gradient_accumulation_fusion,
                          grad_output_buffer)
         if allreduce_dgrad:
@@ -215,3 +221,21 @@ def frozen_fp8_scales(model: torch.nn.Module, scales: dict[tuple[int, str], tupl
     finally:
         for module, quantizers in saved:
             module.fp8_quantizers = quantizers
+
+
+@contextmanager
+def high_precision_fp8_linears(model: torch.nn.Module):
+    """Within the block every FP8 linear of `model` computes its GEMM in the weights' own dtype
+    through Megatron's unmodified linear (the high-precision shadow of Calibrated Clipping): no
+    quantizer runs, so no amax history, scale, cache or statistic changes. ValueError when
+    `model` has no FP8 linear (nothing would differ from its normal forward)."""
+    linears = [m for m in model.modules() if isinstance(m, _Fp8LinearMixin)]
+    if not linears:
+        raise ValueError("high_precision_fp8_linears: the model has no FP8 linear layers")
+    try:
+        for module in linears:
+            module.fp8_high_precision = True
+        yield
+    finally:
+        for module in linears:
+            module.fp8_high_precision = False

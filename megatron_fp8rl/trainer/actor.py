@@ -22,7 +22,7 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
 from megatron_fp8rl.compat.megatron_fp8_linear import (
-    fp8_layer_stats, frozen_fp8_scales, shared_fp8_scales,
+    fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
 )
 from megatron_fp8rl.compat.process_env import torchrun_free_env
 from megatron_fp8rl.convert.megatron_to_hf import (
@@ -96,17 +96,24 @@ class MegatronActor:
         with sglang_call_layout(prompt_lengths(batch["response_mask"])):
             return chunk(batch["tokens"], batch["position_ids"], None)
 
-    def logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def logprobs(self, micro_batches: list[dict[str, torch.Tensor]], as_served: bool = True) -> list[torch.Tensor]:
         """Per micro-batch [B, S] logprobs on the last pipeline stage ([] on others), computed
-        as the rollout engine computed them (`_forward_as_served`)."""
+        as the rollout engine computed them (`_forward_as_served`; as_served=False: one batched
+        attention call, as the training forward)."""
 
         def collect(batch, logits):
             logprobs, _ = self.token_logprobs(batch, logits)
             return torch.zeros((), device=logits.device), {"logprobs": logprobs}
 
         seq = micro_batches[0]["tokens"].shape[1]
-        return [out["logprobs"] for out in
-                forward_only(self.model, micro_batches, self._forward_as_served, collect, seq)]
+        forward = self._forward_as_served if as_served else self._forward
+        return [out["logprobs"] for out in forward_only(self.model, micro_batches, forward, collect, seq)]
+
+    def shadow_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """`logprobs` of the high-precision shadow: the same weights with every FP8 linear computed
+        in the trainer's dtype, no FP8 scaling state touched (Calibrated Clipping)."""
+        with high_precision_fp8_linears(self.model):
+            return self.logprobs(micro_batches, as_served=False)
 
     def train(self, micro_batches: list[dict[str, torch.Tensor]],
               loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]],

@@ -20,6 +20,8 @@ WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
 ACTIVATION_SCHEMES = ("dynamic", "static")
 FP8_BACKENDS = ("ours", "sglang")
 TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise")
+CLIP_CALIBRATIONS = ("none", "shadow")
+CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 
 
 def _check(condition: bool, key: str, message: str) -> None:
@@ -179,6 +181,27 @@ class AlgorithmConfig:
     """Lower limit of the calibrated MIS lower bound (in [0, mis_low])."""
     noise_mis_high_max: float = 10.0
     """Upper limit of the calibrated MIS upper bound (>= mis_high)."""
+    clip_calibration: str = "none"
+    """Calibrated Clipping (the paper's method, rl/calibrated_clipping.py; one of CLIP_CALIBRATIONS):
+    none (the plain interval [1 − clip_low, 1 + clip_high]) or shadow (every clip_calibration_every
+    steps a high-precision shadow forward of the same batch sets the FP8 clip bounds: L matches the
+    shadow's share of clipped negative-advantage tokens, H its positive/negative update balance).
+    Needs an FP8 trainer (model.fp8)."""
+    clip_calibration_every: int = 20
+    """Steps between calibrations (the first step calibrates); the last bounds hold in between."""
+    clip_calibration_level: str = "auto"
+    """token (GRPO/DAPO's per-token ratio) or sequence (GSPO's sequence ratio); auto follows
+    algorithm.name."""
+    clip_calibration_smoothing: float = 0.5
+    """β in [0, 1): bounds ← β·previous calibrated bounds + (1 − β)·new ones (the first is taken as is)."""
+    clip_calibration_low_min: float = 0.5
+    """Lowest calibrated lower bound L (a ratio, not an epsilon)."""
+    clip_calibration_low_max: float = 0.95
+    """Highest calibrated lower bound L (<= 1)."""
+    clip_calibration_high_min: float = 1.05
+    """Lowest calibrated upper bound H (>= 1)."""
+    clip_calibration_high_max: float = 2.0
+    """Highest calibrated upper bound H."""
 
     def __post_init__(self):
         _check(self.name in ALGORITHMS, "algorithm.name", f"{self.name!r} is not one of {ALGORITHMS}")
@@ -188,6 +211,34 @@ class AlgorithmConfig:
         _check(self.tis_cap > 0, "algorithm.tis_cap", "must be > 0")
         _check(0 <= self.mis_low < self.mis_high, "algorithm.mis_low", "need 0 <= mis_low < mis_high")
         self._check_noise_options()
+        self._check_clip_calibration()
+
+    @property
+    def ratio_level(self) -> str:
+        """The PPO ratio's level: sequence for GSPO, token otherwise."""
+        return "sequence" if self.name == "gspo" else "token"
+
+    def _check_clip_calibration(self):
+        _check(self.clip_calibration in CLIP_CALIBRATIONS, "algorithm.clip_calibration",
+               f"{self.clip_calibration!r} is not one of {CLIP_CALIBRATIONS}")
+        _check(self.clip_calibration_level in CLIP_CALIBRATION_LEVELS, "algorithm.clip_calibration_level",
+               f"{self.clip_calibration_level!r} is not one of {CLIP_CALIBRATION_LEVELS}")
+        _check(self.clip_calibration_level in ("auto", self.ratio_level), "algorithm.clip_calibration_level",
+               f"{self.clip_calibration_level} calibration cannot match algorithm.name={self.name}, whose "
+               f"ratio is {self.ratio_level}-level; use auto or {self.ratio_level}")
+        _check(self.clip_calibration_every >= 1, "algorithm.clip_calibration_every",
+               f"must be >= 1, got {self.clip_calibration_every}")
+        _check(0 <= self.clip_calibration_smoothing < 1, "algorithm.clip_calibration_smoothing",
+               f"must be in [0, 1), got {self.clip_calibration_smoothing}")
+        low, high = 1 - self.clip_low, 1 + self.clip_high
+        _check(0 < self.clip_calibration_low_min <= low <= self.clip_calibration_low_max <= 1,
+               "algorithm.clip_calibration_low_min",
+               f"need 0 < clip_calibration_low_min <= 1 - clip_low <= clip_calibration_low_max <= 1, got "
+               f"{self.clip_calibration_low_min} <= {low:g} <= {self.clip_calibration_low_max}")
+        _check(1 <= self.clip_calibration_high_min <= high <= self.clip_calibration_high_max,
+               "algorithm.clip_calibration_high_min",
+               f"need 1 <= clip_calibration_high_min <= 1 + clip_high <= clip_calibration_high_max, got "
+               f"{self.clip_calibration_high_min} <= {high:g} <= {self.clip_calibration_high_max}")
 
     def _check_noise_options(self):
         _check(self.old_policy in OLD_POLICIES, "algorithm.old_policy",
@@ -290,3 +341,6 @@ class RunConfig:
 
     def __post_init__(self):
         _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")
+        _check(self.algorithm.clip_calibration == "none" or self.model.fp8 != "none",
+               "algorithm.clip_calibration", "shadow calibrates FP8 ratios against a high-precision "
+               "shadow: it needs an FP8 trainer (model.fp8), which is none here")

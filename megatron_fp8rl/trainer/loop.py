@@ -25,6 +25,7 @@ from megatron_fp8rl.rl.metrics import paired_eval_change
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.rl_step import StepContext, rl_step, sync_weights
@@ -167,7 +168,9 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
     ctx = StepContext(cfg=cfg, actor=actor, engine=_make_engine(cfg) if rank == 0 else None,
                       reward_fn=load_reward_fn(cfg.data.reward),
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      sync_dir=run_dir / "sync")
+                      sync_dir=run_dir / "sync",
+                      clip_calibrator=(ClipCalibrator(cfg.algorithm)
+                                       if cfg.algorithm.clip_calibration == "shadow" else None))
     try:
         return _loop(ctx, tokenizer, train_records, eval_records, rank)
     finally:
@@ -209,7 +212,8 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
         summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
-                            {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start}})
+                            {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start},
+                             **_calibrator_state(ctx)})
     summary["seconds"] = time.perf_counter() - begin
     summary["hf_output"] = _export_hf(ctx, rank)
     if writer is not None:
@@ -228,8 +232,15 @@ def _resume(ctx: StepContext, sampler: PromptSampler) -> tuple[int, dict[str, fl
         return 0, {}
     state = load_checkpoint(path, ctx.actor.model, ctx.actor.optimizer)
     sampler.load_state_dict(state["sampler"])
+    if ctx.clip_calibrator is not None and "clip_calibration" in state:
+        ctx.clip_calibrator.load_state_dict(state["clip_calibration"])
     sync_weights(ctx, version=state["step"])
     return int(state["step"]), dict(state.get("summary", {}))
+
+
+def _calibrator_state(ctx: StepContext) -> dict:
+    """Calibrated Clipping's bounds for a checkpoint (nothing when it is off)."""
+    return {} if ctx.clip_calibrator is None else {"clip_calibration": ctx.clip_calibrator.state_dict()}
 
 
 def _log(writer, metrics: dict[str, float], step: int) -> None:

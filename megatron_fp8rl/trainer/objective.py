@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_fp8rl.rl.calibrated_clipping import ClipBounds
 from megatron_fp8rl.rl.correction import masked_importance_weights, truncated_importance_weights
 from megatron_fp8rl.rl.losses import policy_loss
 from megatron_fp8rl.rl.metrics import mismatch_metrics
@@ -51,16 +52,12 @@ def noise_levels(algo: AlgorithmConfig) -> tuple[float, ...]:
     return tuple(sorted(set(algo.noise_log_quantiles) | tails))
 
 
-def _ratio_level(algo: AlgorithmConfig) -> str:
-    return "sequence" if algo.name == "gspo" else "token"
-
-
 def step_noise_floor(cfg: RunConfig, batch: RolloutBatch, old_logprobs: torch.Tensor) -> NoiseFloor:
     """Decoupled mode: the noise floor of the whole batch from the recomputed old logprobs [B, S]
     (token level; per-sequence mean Δ for GSPO, whose ratio is a per-sequence geometric mean)."""
     algo = cfg.algorithm
     return estimate_noise(old_logprobs, batch.rollout_logprobs, batch.response_mask,
-                          noise_levels(algo), _ratio_level(algo))
+                          noise_levels(algo), algo.ratio_level)
 
 
 @dataclass(frozen=True)
@@ -82,13 +79,17 @@ class Thresholds:
         return {name: torch.tensor(value, dtype=torch.float64) for name, value in out.items()}
 
 
-def effective_thresholds(algo: AlgorithmConfig, noise: NoiseFloor) -> Thresholds:
+def effective_thresholds(algo: AlgorithmConfig, noise: NoiseFloor,
+                         clip_bounds: ClipBounds | None = None) -> Thresholds:
     """bypass: the clip interval widened by the noise tails (rl.noise.widened_clip); decoupled: the
-    configured one (its ratio has no noise). noise_correction: calibrated TIS cap and MIS band."""
+    configured one (its ratio has no noise). `clip_bounds`: Calibrated Clipping's bounds, which
+    replace both (trainer/clip_calibration.py). noise_correction: calibrated TIS cap and MIS band."""
     low_tail = noise.delta_at(round(1 - algo.noise_quantile, 12))
     high_tail = noise.delta_at(algo.noise_quantile)
     clip_low, clip_high = algo.clip_low, algo.clip_high
-    if algo.old_policy == "bypass":
+    if clip_bounds is not None:
+        clip_low, clip_high = clip_bounds.epsilons()
+    elif algo.old_policy == "bypass":
         clip_low, clip_high = widened_clip(clip_low, clip_high, low_tail, high_tail,
                                            clip_low_max=algo.noise_clip_low_max,
                                            clip_high_max=algo.noise_clip_high_max)
@@ -110,7 +111,8 @@ def _correction(algo: AlgorithmConfig, old, rollout, mask, limits: Thresholds):
 
 
 def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = None,
-                 at_old_policy: bool = False):
+                 at_old_policy: bool = False, clip_bounds: ClipBounds | None = None,
+                 capture: list | None = None):
     """The callable `(micro_batch, logprobs [B, S], entropy [B, S]) -> (loss, metrics)` that the
     Megatron schedule runs per micro-batch: mismatch and noise metrics, TIS/MIS weights, the policy
     loss. `noise`: the step's noise floor; None only for bypass mode's first mini-batch, which
@@ -118,12 +120,15 @@ def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = 
     batches carry `old_logprobs`; bypass ones use `rollout_logprobs` as π_old.
     `at_old_policy` (the update's first mini-batch, θ = θ_old): also log the training forward's
     own noise against π_old, noise/train_forward_abs_delta_{mean,max} = |log π_θ − log π_old|
-    over response tokens; nonzero means the PPO ratio carries that noise."""
+    over response tokens; nonzero means the PPO ratio carries that noise.
+    `clip_bounds`: Calibrated Clipping's bounds in force (None: the configured interval).
+    `capture`: a list that receives (logprobs, π_old, advantages, response_mask), detached [B, S],
+    per micro-batch: the FP8 ratio's terms a calibration needs (trainer/clip_calibration.py)."""
     algo = cfg.algorithm
-    bypass, ratio_level = algo.old_policy == "bypass", _ratio_level(algo)
+    bypass, ratio_level = algo.old_policy == "bypass", algo.ratio_level
     if noise is None and not bypass:
         raise ValueError("decoupled mode needs the step's noise floor from the recomputed old logprobs")
-    fixed = effective_thresholds(algo, noise) if noise is not None else None
+    fixed = effective_thresholds(algo, noise, clip_bounds) if noise is not None else None
 
     def loss_fn(mb, logprobs, entropy):
         mask, rollout = mb["response_mask"], mb["rollout_logprobs"]
@@ -134,7 +139,7 @@ def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = 
             trainer_old = mb["old_logprobs"]
         floor = noise if noise is not None else estimate_noise(trainer_old, rollout, mask,
                                                                noise_levels(algo), ratio_level)
-        limits = fixed if fixed is not None else effective_thresholds(algo, floor)
+        limits = fixed if fixed is not None else effective_thresholds(algo, floor, clip_bounds)
         metrics = {**floor.metrics(), **limits.metrics(algo.correction),
                    "noise/source_first_forward": torch.tensor(float(bypass))}
         weights = None
@@ -144,6 +149,9 @@ def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = 
         if correction is not None:
             weights = correction.weights
             metrics.update(correction.metrics)
+        if capture is not None:
+            capture.append(tuple(t.detach() for t in (logprobs, rollout if bypass else trainer_old,
+                                                       mb["advantages"], mask)))
         out = policy_loss(logprobs, rollout if bypass else trainer_old, mb["advantages"], mask,
                           ratio_level=ratio_level, clip_low=limits.clip_low, clip_high=limits.clip_high,
                           agg_mode=algo.agg_mode, max_response_length=cfg.rollout.max_new_tokens,

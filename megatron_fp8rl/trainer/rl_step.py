@@ -22,6 +22,7 @@ from megatron_fp8rl.rl.noise import NoiseFloor
 from megatron_fp8rl.rl.sampling import select_informative_groups, shape_overlong_rewards
 from megatron_fp8rl.rollout.engine import RolloutEngine, RolloutSample, SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor
+from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
 from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch, micro_batches, pad_rows
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.objective import loss_denominator, make_loss_fn, noise_levels, step_noise_floor
@@ -40,6 +41,8 @@ class StepContext:
     decode: Callable[[list[int]], str]
     """Token ids -> text for the reward (the tokenizer's decode)."""
     sync_dir: Path
+    clip_calibrator: ClipCalibrator | None = None
+    """Calibrated Clipping's state (algorithm.clip_calibration=shadow); None otherwise."""
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -62,7 +65,7 @@ def rl_step(ctx: StepContext, prompts: list[list[int]], answers: list[str], more
     with _timed(ctx, "recompute"):  # bypass: the rollout logprobs are π_old, nothing to recompute
         old_logprobs = None if ctx.cfg.algorithm.old_policy == "bypass" else _old_logprobs(ctx, batch)
     with _timed(ctx, "train"):
-        train_metrics = {**_train(ctx, batch, old_logprobs), **ctx.actor.fp8_metrics()}
+        train_metrics = {**_train(ctx, batch, old_logprobs, step), **ctx.actor.fp8_metrics()}
     with _timed(ctx, "sync"):
         sync_weights(ctx, version=step)
     tokens = float(batch.response_mask.sum())
@@ -170,31 +173,65 @@ def _served_scales(ctx: StepContext) -> dict | None:
     return ctx.actor.rollout_scales
 
 
-def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | None) -> dict[str, float]:
+def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | None,
+           step: int) -> dict[str, float]:
     """One optimizer step per mini-batch on this rank's DP slice; metrics averaged over steps.
     `old_logprobs` None: bypass mode, where the first mini-batch measures the noise floor (objective.py).
     Aligned FP8 rollouts: the first mini-batch (θ = θ_old) trains on a forward in the rollout's
-    own arithmetic (MegatronActor.train's served_scales), so its PPO ratio is exactly 1."""
-    cfg = ctx.cfg
+    own arithmetic (MegatronActor.train's served_scales), so its PPO ratio is exactly 1.
+    Calibrated Clipping: the bounds in force clip every mini-batch; a calibrating step also runs
+    the shadow forwards on mini-batch m* and recalibrates (trainer/clip_calibration.py)."""
+    cfg, calibrator = ctx.cfg, ctx.clip_calibrator
     batch = _layout_rows(ctx, batch)
-    dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     noise = None if old_logprobs is None else step_noise_floor(cfg, batch, old_logprobs)
-    rows = torch.arange(batch.size)
-    results = []
-    for index, mini_rows in enumerate(rows.chunk(cfg.train.mini_batches)):
-        mini = batch.select(mini_rows)
-        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, mini, dp_size), noise, at_old_policy=index == 0)
-        mine = mini_rows.chunk(dp_size)[dp_rank]
-        local = batch.select(mine)
-        micro = micro_batches(local, cfg.train.micro_batch_size)
-        if old_logprobs is not None:
-            for mb, old in zip(micro, old_logprobs[mine].split(cfg.train.micro_batch_size)):
-                mb["old_logprobs"] = old
+    minis = torch.arange(batch.size).chunk(cfg.train.mini_batches)
+    target = calibrator.batch_index(len(minis)) if calibrator is not None and calibrator.due(step) else None
+    if target is not None:
+        shadow_old = ctx.actor.shadow_logprobs(_local_micro(ctx, batch, minis[target], old_logprobs))
+    results, captured = [], []
+    for index, mini_rows in enumerate(minis):
+        micro = _local_micro(ctx, batch, mini_rows, old_logprobs)
+        if index == target:
+            shadow = shadow_old if index == 0 else ctx.actor.shadow_logprobs(micro)
+        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, batch.select(mini_rows), dp_size), noise,
+                               at_old_policy=index == 0, clip_bounds=calibrator and calibrator.calibrated,
+                               capture=captured if index == target else None)
         results.append(ctx.actor.train(micro, loss_fn, _served_scales(ctx) if index == 0 else None))
         if noise is None:
             noise = NoiseFloor.from_metrics(results[0].metrics, noise_levels(cfg.algorithm))
-    # bypass: π_old-dependent metrics (mismatch, clip attribution) exist for the first mini-batch only
+    metrics = _mean_metrics(results)
+    if target is not None:
+        metrics.update(calibrator.update(*_stacked(captured, shadow, shadow_old)))
+    if calibrator is not None:
+        metrics.update(calibrator.metrics())
+    return metrics
+
+
+def _local_micro(ctx: StepContext, batch: RolloutBatch, mini_rows: torch.Tensor,
+                 old_logprobs: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
+    """This rank's DP slice of one mini-batch as micro-batches (with `old_logprobs` when given)."""
+    mine = mini_rows.chunk(parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
+    micro = micro_batches(batch.select(mine), ctx.cfg.train.micro_batch_size)
+    if old_logprobs is not None:
+        for mb, old in zip(micro, old_logprobs[mine].split(ctx.cfg.train.micro_batch_size)):
+            mb["old_logprobs"] = old
+    return micro
+
+
+def _stacked(captured: list, shadow: list[torch.Tensor], shadow_old: list[torch.Tensor]):
+    """(fp8, fp8_old, shadow, shadow_old, advantages, mask) [b, S] of m*'s rows on this rank; empty
+    [0, S] tensors where the rank computed no loss (not the last pipeline stage)."""
+    if not captured:
+        empty = torch.zeros(0, 1)
+        return (empty,) * 6
+    fp8, fp8_old, advantages, mask = (torch.cat(parts) for parts in zip(*captured))
+    return fp8, fp8_old, torch.cat(shadow), torch.cat(shadow_old), advantages, mask
+
+
+def _mean_metrics(results) -> dict[str, float]:
+    """Each metric averaged over the mini-batches that report it (bypass: π_old-dependent ones,
+    such as mismatch and clip attribution, exist for the first mini-batch only)."""
     names = dict.fromkeys(name for r in results for name in r.metrics)
     metrics = {}
     for name in names:

@@ -1,6 +1,8 @@
 """A tiny Megatron-Core GPTModel whose local-spec linears are our FP8 linear trains on CPU like
 its FP32 twin, logs per-layer FP8 statistics, and keeps its FP8 scales through checkpoints.
 Single process (a one-rank gloo group from launch.init_distributed)."""
+import copy
+
 import pytest
 import torch
 
@@ -148,3 +150,37 @@ def test_fp8_scales_survive_state_dict_and_dist_checkpoint(megatron_tp1, tmp_pat
     restored_scales = fp8_scales(restored)
     assert restored_scales.keys() == scales.keys()
     assert all(torch.equal(scales[k], v) for k, v in restored_scales.items())
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_high_precision_shadow_is_the_fp32_twin_and_touches_no_fp8_state(megatron_tp1):
+    """Calibrated Clipping's shadow: under high_precision_fp8_linears the FP8 model computes its
+    FP32 twin's logits bit for bit, and no quantizer's amax history, scale or statistics move."""
+    from megatron_fp8rl.compat.megatron_fp8_linear import high_precision_fp8_linears
+
+    fp32, fp8 = twin_models()
+    tokens, _ = next_token_batch(0)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    with torch.no_grad():
+        fp8(tokens, positions, None)  # the FP8 state now holds a bound
+        state = copy.deepcopy(fp8.state_dict())
+        stats = {n: m.fp8_quantizers.stats() for n, m in fp8.named_modules() if hasattr(m, "fp8_quantizers")}
+        with high_precision_fp8_linears(fp8):
+            shadow = fp8(tokens, positions, None)
+        after = fp8.state_dict()
+        assert any(key.endswith("_extra_state") for key in after)
+        for key, value in state.items():  # weights and _extra_state (amax histories, scales)
+            assert _same(value, after[key]), key
+        assert torch.equal(shadow, fp32(tokens, positions, None))
+        assert not torch.equal(fp8(tokens, positions, None), shadow)  # outside it: FP8 again
+    with pytest.raises(ValueError, match="has no FP8 linear layers"):
+        with high_precision_fp8_linears(fp32):
+            pass
+    assert all(stats[n] is not None for n in stats)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_fp8rl.config.loader import load_config
+from megatron_fp8rl.rl.calibrated_clipping import ClipBounds
 from megatron_fp8rl.rl.losses import policy_loss
 from megatron_fp8rl.rl.noise import estimate_noise
 from megatron_fp8rl.trainer.config import RunConfig
@@ -139,3 +140,51 @@ def test_bypass_and_decoupled_end_to_end(tiny_run_inputs, tmp_path):
     assert 0.28 < bypass["noise/clip_high"][0] <= 1.0 and 0.2 <= bypass["noise/clip_low"][0] <= 0.5
     assert decoupled["noise/clip_high"] == [pytest.approx(0.28)]
     assert bypass["time/recompute_s"][0] < 0.1 * decoupled["time/recompute_s"][0]
+
+
+@pytest.mark.parametrize("options", [["algorithm.correction=none"],
+                                     ["algorithm.old_policy=bypass", "algorithm.correction=none"]],
+                         ids=["decoupled", "bypass"])
+def test_calibrated_bounds_replace_the_clip_interval(options):
+    """Calibrated Clipping's bounds [L, H] are the loss's interval (bypass's noise widening does
+    not apply on top), bit-equal to policy_loss with ε_low = 1 − L, ε_high = H − 1; and with
+    clip_calibration=shadow configured but before any calibration (bounds None), the loss is
+    bit-equal to clip_calibration=none."""
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8=calibrated",
+                                        "algorithm.clip_calibration=shadow", *options])
+    mb, moved, entropy = _micro_batch(noise=0.1)
+    bypass = cfg.algorithm.old_policy == "bypass"
+    old = mb["rollout_logprobs"] if bypass else mb["old_logprobs"]
+    noise = estimate_noise(mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"],
+                           noise_levels(cfg.algorithm), "token")
+    if bypass:
+        del mb["old_logprobs"]
+    bounds = ClipBounds(0.7, 1.45)
+    loss, grad, metrics = _loss_and_grad(make_loss_fn(cfg, DENOMINATOR, noise, clip_bounds=bounds),
+                                         mb, moved, entropy)
+    eps_low, eps_high = bounds.epsilons()
+    leaf = moved.clone().requires_grad_()
+    expected = policy_loss(leaf, old, mb["advantages"], mb["response_mask"], clip_low=eps_low,
+                           clip_high=eps_high, denominator=DENOMINATOR, entropy=entropy,
+                           max_response_length=cfg.rollout.max_new_tokens)
+    expected.loss.backward()
+    assert torch.equal(loss, expected.loss.detach()) and torch.equal(grad, leaf.grad)
+    assert float(metrics["noise/clip_low"]) == eps_low and float(metrics["noise/clip_high"]) == eps_high
+    plain = load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8=calibrated", *options])
+    for config, clip_bounds in ((cfg, None), (plain, None)):
+        got = _loss_and_grad(make_loss_fn(config, DENOMINATOR, noise, clip_bounds=clip_bounds), mb, moved, entropy)
+        assert torch.equal(got[0], _loss_and_grad(make_loss_fn(plain, DENOMINATOR, noise), mb, moved, entropy)[0])
+
+
+def test_clip_calibration_config_is_checked():
+    with pytest.raises(ValueError, match="algorithm.clip_calibration: shadow calibrates FP8 ratios"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration=shadow"])
+    with pytest.raises(ValueError, match="algorithm.clip_calibration_level: token calibration cannot match"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.name=gspo",
+                                      "algorithm.clip_calibration_level=token"])
+    with pytest.raises(ValueError, match="algorithm.clip_calibration_low_min: need 0 <"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration_low_min=0.9"])
+    with pytest.raises(ValueError, match="algorithm.clip_calibration_high_min: need 1 <="):
+        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration_high_max=1.1"])
+    with pytest.raises(ValueError, match="algorithm.clip_calibration_every: must be >= 1"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration_every=0"])

@@ -125,3 +125,28 @@ def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path)
     for tag in ("train/clip_frac_low", "train/clip_frac_high", "noise/train_forward_abs_delta_max"):
         assert scalars[tag] == [0.0, 0.0], (tag, scalars[tag])
     assert max(scalars["train/mismatch_abs_logprob_diff_mean"]) < 1e-3
+
+
+@pytest.mark.multiprocess
+def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
+    """algorithm.clip_calibration=shadow end to end at TP=2 (2 torchrun processes + SGLang's 2):
+    calibrated FP8 trainer, 2 mini-batches, a calibration every step. Both steps run the shadow
+    forwards and log the diagnostic; the bounds leave the configured interval and stay within
+    their limits; a checkpoint keeps them."""
+    summary = _train(tiny_run_inputs, tmp_path, 2, "model.tensor_parallel=2", "model.fp8=calibrated",
+                     "algorithm.clip_calibration=shadow", "algorithm.clip_calibration_every=1",
+                     "train.mini_batches=2", "train.micro_batch_size=2", "train.eval_every=0",
+                     "algorithm.dynamic_sampling=false", "checkpoint.every=2")
+    scalars = _scalars(tmp_path)
+    assert scalars["clip/calibrations"] == [1.0, 2.0], scalars["clip/calibrations"]
+    assert scalars["clip/calibrated"] == [1.0, 1.0]
+    # NaN (a step whose m* has no token of a sign) is not written to tensorboard
+    for tag in ("clip/neg_overclip_before", "clip/neg_overclip_after", "clip/alpha", "clip/balance_fp8"):
+        assert 1 <= len(scalars[tag]) <= 2 and all(0 <= v < 10 for v in scalars[tag]), (tag, scalars[tag])
+    low, high = scalars["clip/low"], scalars["clip/high"]
+    assert all(0.5 <= v <= 0.95 for v in low) and all(1.05 <= v <= 2.0 for v in high)
+    assert (low[0], high[0]) != (0.8, 1.28)  # the first calibration moved them
+    assert summary["reward/mean"] == summary["reward/mean"]
+    state = json.loads(next((tmp_path / "checkpoints").rglob("trainer_state.json")).read_text())
+    assert state["clip_calibration"]["calibrations"] == 2
+    assert state["clip_calibration"]["calibrated"] == pytest.approx([low[-1], high[-1]])

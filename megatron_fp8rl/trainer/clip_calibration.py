@@ -1,0 +1,115 @@
+"""Calibrated Clipping in the trainer (algorithm.clip_calibration=shadow): when a step calibrates,
+on which rows, the clip bounds in force, and the calibration from the gathered logprobs.
+
+Owns: `ClipCalibrator`. The math is rl/calibrated_clipping.py. Must not import: cli, trainer.loop,
+trainer.rl_step.
+
+When the two shadow forwards run, so that the FP8 and the shadow ratio are taken at the same θ: a
+calibrating step with M mini-batches calibrates on mini-batch m* = 1 if M >= 2, else 0. Before the
+step's first optimizer step the shadow (every FP8 linear in high precision, compat
+`high_precision_fp8_linears`) computes log π_old of m*'s rows; just before m* trains, after m*
+optimizer steps (θ = θ_m*), it computes log π_θ of the same rows. The FP8 ratio is the one m*'s own
+training forward feeds the loss, π_θ/π_old at that same θ_m* (π_old: the recompute, or the rollout
+logprobs under old_policy=bypass). With one mini-batch θ_m* = θ_old: the shadow ratio is exactly 1
+and one shadow forward serves both. The bounds a calibration yields hold from the next step on
+(the calibrating step trains with the bounds in force) until the next calibration. Bounds before
+the first calibration are the configured ones, passed on as None so that the loss is bit-identical
+to clip_calibration=none.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_fp8rl.rl.calibrated_clipping import (
+    Calibration,
+    ClipBounds,
+    ClipLimits,
+    calibrate,
+    calibration_values,
+)
+from megatron_fp8rl.rl.losses import sequence_ratio, token_ratio
+from megatron_fp8rl.trainer.config import AlgorithmConfig
+
+
+class ClipCalibrator:
+    """The Calibrated Clipping state of a run (the same on every rank)."""
+
+    def __init__(self, algo: AlgorithmConfig):
+        self.every, self.level, self.smoothing = algo.clip_calibration_every, algo.ratio_level, algo.clip_calibration_smoothing
+        self.configured = ClipBounds.from_epsilons(algo.clip_low, algo.clip_high)
+        self.limits = ClipLimits(algo.clip_calibration_low_min, algo.clip_calibration_low_max,
+                                 algo.clip_calibration_high_min, algo.clip_calibration_high_max)
+        self.calibrated: ClipBounds | None = None
+        """The bounds in force after the last successful calibration; None before the first."""
+        self.calibrations = self.skipped = 0
+        self.last: Calibration | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether RL step `step` (1-based) calibrates: the first, then every `every` steps."""
+        return (step - 1) % self.every == 0
+
+    @staticmethod
+    def batch_index(mini_batches: int) -> int:
+        """m*, the mini-batch a calibrating step calibrates on (module docstring)."""
+        return 1 if mini_batches >= 2 else 0
+
+    @property
+    def bounds(self) -> ClipBounds:
+        return self.calibrated or self.configured
+
+    def update(self, fp8: torch.Tensor, fp8_old: torch.Tensor, shadow: torch.Tensor, shadow_old: torch.Tensor,
+               advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """All ranks (collective): calibrate from this rank's rows of m* ([b, S] each; empty [0, S]
+        where the rank computes no loss) and return the calibration metrics."""
+        ratio_fn = sequence_ratio if self.level == "sequence" else token_ratio
+        args = (mask,) if self.level == "sequence" else ()
+        fp8_ratio = ratio_fn(fp8.double(), fp8_old.double(), *args)
+        shadow_ratio = ratio_fn(shadow.double(), shadow_old.double(), *args)
+        ratio, adv = calibration_values(fp8_ratio, advantages, mask, self.level)
+        shadow_values, _ = calibration_values(shadow_ratio, advantages, mask, self.level)
+        ratio, shadow_values, adv = (_gathered(t) for t in (ratio, shadow_values, adv))
+        previous = self.bounds
+        self.last = calibrate(ratio, shadow_values, adv, self.configured, previous, self.calibrated,
+                              self.limits, self.smoothing)
+        if self.last.skipped:
+            self.skipped += 1
+        else:
+            self.calibrated, self.calibrations = self.last.bounds, self.calibrations + 1
+        out = {"clip/calibrated": 1.0, "clip/calibration_values": float(ratio.numel())}
+        for when, diagnostic in (("before", self.last.before), ("after", self.last.after)):
+            out.update({f"clip/{name}_{when}": value for name, value in diagnostic.items()})
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """Every step: the bounds in force, the last calibration's α and balances, counts."""
+        last = self.last
+        return {"clip/low": self.bounds.low, "clip/high": self.bounds.high,
+                "clip/alpha": last.alpha if last else math.nan,
+                "clip/balance_shadow": last.balance_shadow if last else math.nan,
+                "clip/balance_fp8": last.balance_fp8 if last else math.nan,
+                "clip/calibrations": float(self.calibrations), "clip/calibrations_skipped": float(self.skipped)}
+
+    def state_dict(self) -> dict:
+        """For checkpoints (JSON-friendly)."""
+        bounds = self.calibrated
+        return {"calibrated": None if bounds is None else [bounds.low, bounds.high],
+                "calibrations": self.calibrations, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        bounds = state["calibrated"]
+        self.calibrated = None if bounds is None else ClipBounds(*bounds)
+        self.calibrations, self.skipped = int(state["calibrations"]), int(state["skipped"])
+
+
+def _gathered(values: torch.Tensor) -> torch.Tensor:
+    """`values` of every rank that computes the loss once (TP rank 0 of the last pipeline stage),
+    concatenated in rank order, on every rank."""
+    owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+             and parallel_state.get_tensor_model_parallel_rank() == 0)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, values.cpu() if owner else values.new_zeros(0).cpu())
+    return torch.cat(parts)
