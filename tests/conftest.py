@@ -14,8 +14,10 @@ def _deterministic_threads():
 def _triton_interpreter(request, monkeypatch):
     """Tests marked `triton` run Triton kernels on CPU tensors through Triton's interpreter.
     triton 3.x reads TRITON_INTERPRET (its `knobs.runtime.interpret`) when `triton.jit` wraps a
-    function, and fp8/triton_gemm.py wraps its kernel at first use per mode, so setting it for
-    the test's duration is enough (kernels wrapped at import, e.g. SGLang's, need a subprocess)."""
+    function; fp8/triton_gemm.py wraps its kernel at first use per mode and calls only triton
+    builtins, so setting it for the test's duration is enough. Kernels wrapped at import (SGLang's,
+    or any calling triton.language's own jit helpers such as tl.zeros) need it set before the
+    process first imports triton: run those in a subprocess."""
     if request.node.get_closest_marker("triton") is not None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield

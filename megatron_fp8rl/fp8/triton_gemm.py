@@ -18,9 +18,12 @@ position in the batch (tests/fp8/test_triton_gemm.py). Products of FP8 values ar
 the sums are fp32 (`max_num_imprecise_acc=0` asks Hopper's FP8 MMA to promote every instruction
 to the fp32 accumulator, as `torch._scaled_mm` does without `use_fast_accum`).
 Where it runs: CUDA tensors compile for the GPU; CPU tensors only under Triton's interpreter
-(`TRITON_INTERPRET=1`, which triton 3.x reads when `triton.jit` wraps a function, so the kernel is
-wrapped at first use, once per mode, never at import). CPU tensors without the interpreter raise:
-there is no silent fallback to another GEMM, whose rows would depend on the batch.
+(`TRITON_INTERPRET=1`). triton 3.x reads that variable when `triton.jit` wraps a function: this
+kernel is wrapped at first use, once per mode, never at import; and it calls only triton's
+builtins (`tl.full`, not `tl.zeros`, which triton.language wraps with `triton.jit` when it is first
+imported), so whether the interpreter runs it depends on the variable at call time only, not on
+which module imported triton first. CPU tensors without the interpreter raise: there is no silent
+fallback to another GEMM, whose rows would depend on the batch.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]  # B^T's [BLOCK_K, BLOCK_N] tile
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # not tl.zeros: see the module docstring
     for k0 in range(0, K, BLOCK_K):
         k_in = ks < K - k0
         a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_in[None, :], other=0.0)
