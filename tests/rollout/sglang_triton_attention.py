@@ -32,13 +32,20 @@ def _reference(torch, q, k, v):
     return (scores.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1)
 
 
+def _layout(torch, reqs, device):
+    """Lengths, first KV slots, kv_indptr and kv_indices of requests `reqs` (each request's keys
+    are its own contiguous slots of the cache)."""
+    lengths = [LENGTHS[r] for r in reqs]
+    starts = [sum(LENGTHS[:r]) for r in reqs]
+    indptr = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    indices = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).int().to(device)
+    return lengths, starts, indptr, indices
+
+
 def _extend(torch, fwd, q, kv, reqs, device):
     """Unified extend over whole prompts `reqs` (no cached prefix)."""
     k_buf, v_buf = kv
-    lengths = [LENGTHS[r] for r in reqs]
-    indptr = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
-    starts = [sum(LENGTHS[:r]) for r in reqs]
-    indices = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).int().to(device)
+    lengths, starts, indptr, indices = _layout(torch, reqs, device)
     query = torch.cat([q[s:s + n] for s, n in zip(starts, lengths)])
     out = torch.empty_like(query)
     fwd(query, out, k_buf, v_buf, 1.0, 1.0, indptr, indptr, indices,
@@ -49,10 +56,7 @@ def _extend(torch, fwd, q, kv, reqs, device):
 def _decode(torch, fwd, q, kv, reqs, device, splits=None):
     """One decode step of requests `reqs` (query = each request's last row) over their keys."""
     k_buf, v_buf = kv
-    lengths = [LENGTHS[r] for r in reqs]
-    starts = [sum(LENGTHS[:r]) for r in reqs]
-    indptr = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
-    indices = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).int().to(device)
+    lengths, starts, indptr, indices = _layout(torch, reqs, device)
     query = torch.stack([q[s + n - 1] for s, n in zip(starts, lengths)])
     if splits is None:  # SGLang's deterministic rule
         splits = [(n + SPLIT_TILE - 1) // SPLIT_TILE for n in lengths]
