@@ -78,8 +78,10 @@ def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
 @functools.cache
 def _wrapped(interpret: bool):
     """The kernel wrapped by `triton.jit` while `knobs.runtime.interpret == interpret` (the flag
-    is the cache key: triton picks interpreter or compiler at wrapping time)."""
-    return triton.jit(_fp8_gemm_nt_kernel)
+    is the cache key: triton picks interpreter or compiler at wrapping time). M is not
+    specialized: triton would otherwise compile M == 1 and M % 16 == 0 as other variants, and one
+    compiled kernel for every batch size is the point."""
+    return triton.jit(_fp8_gemm_nt_kernel, do_not_specialize=["M"])
 
 
 def _kernel(device: torch.device):
