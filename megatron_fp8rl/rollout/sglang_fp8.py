@@ -17,13 +17,12 @@ aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv`
 trainer's own `fp8_matmul_nt` (fp8/linear.py) with the config's GEMM, by default
 'batch_invariant' ('exact' on CPU, the Triton kernel 'triton_invariant' on CUDA: a row's bits do
 not depend on the batch, so decode steps and the trainer's whole-sequence recompute agree), bias
-added in fp32, cast to the activation dtype. Block weights whose fused shards tile the 128x128
-grid go through the same `fp8_matmul_nt` with 1x128 activation groups (the Triton kernel on CUDA;
-dequantize + fp32 matmul on CPU). Per-row layouts (dynamic per-token activations, fused shards
-with unequal weight scales) and block shards off the grid dequantize the same FP8 values and run
-one fp32 matmul (what the trainer does for non-per-tensor operands; not batch-invariant on GPU,
-and the aligned mode never uses them); a config asking for 'triton_invariant' by name refuses
-them instead.
+added in fp32, cast to the activation dtype. Other layouts (block scales, dynamic per-token
+activations, fused shards with unequal weight scales) dequantize the same FP8 values and run one
+fp32 matmul (what the trainer does for non-per-tensor operands; not batch-invariant on GPU, and
+the aligned mode never uses them), unless the config names 'triton_invariant': then block
+weights whose fused shards tile the 128x128 grid run the Triton kernel with 1x128 activation
+groups, and every layout it has no kernel for raises.
 SGLang 0.5.23 facts this relies on: fused qkv/gate_up layers load one scale per shard through the
 parameter's own `weight_loader(param, tensor, shard_id)`; the class name must be in
 `layers.linear.WEIGHT_LOADER_V2_SUPPORTED` so the FP8 weight loads through the v2 loader; Llama's
@@ -256,15 +255,15 @@ class Fp8RLLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         x_q, w_q = self._input(layer, x2d), self._weight(layer)
-        if isinstance(w_q, _Dequantized) or "row" in (x_q.granularity, w_q.granularity):
-            if self.config.gemm == "triton_invariant":
-                raise ValueError(f"{self.prefix}: the triton_invariant GEMM has no kernel for this layout "
-                                 f"(activations {x_q.granularity}, weight shards {layer.fp8rl_shards} "
-                                 f"{type(w_q).__name__}); use per-tensor static scales or 128-aligned block shards")
-            weight = w_q.values if isinstance(w_q, _Dequantized) else w_q.dequantize()
-            y = x_q.dequantize() @ weight.t()
-        else:
+        if isinstance(w_q, _Dequantized) and self.config.gemm == "triton_invariant":
+            raise ValueError(f"{self.prefix}: the triton_invariant GEMM needs fused block shards that tile the "
+                             f"{self.block} grid; found shard widths {layer.fp8rl_shards}")
+        if isinstance(w_q, _Dequantized):
+            y = x_q.dequantize() @ w_q.values.t()
+        elif self.config.gemm == "triton_invariant" or x_q.granularity == w_q.granularity == "tensor":
             y = fp8_matmul_nt(x_q, w_q, resolve_gemm(self.config.gemm, x.device))
+        else:  # row or block scales under the default GEMMs: not the aligned layout
+            y = x_q.dequantize() @ w_q.dequantize().t()
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], layer.weight.shape[0])
