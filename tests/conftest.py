@@ -10,6 +10,19 @@ def _deterministic_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _triton_interpreter(request, monkeypatch):
+    """Tests marked `triton` run Triton kernels on CPU tensors through Triton's interpreter.
+    triton 3.x reads TRITON_INTERPRET (its `knobs.runtime.interpret`) when `triton.jit` wraps a
+    function; fp8/triton_gemm.py wraps its kernel at first use per mode and calls only triton
+    builtins, so setting it for the test's duration is enough. Kernels wrapped at import (SGLang's,
+    or any calling triton.language's own jit helpers such as tl.zeros) need it set before the
+    process first imports triton: run those in a subprocess."""
+    if request.node.get_closest_marker("triton") is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
 @pytest.fixture(scope="module")
 def megatron_tp1():
     """A one-process Megatron parallel state (TP=1, PP=1, gloo, CPU shims) for in-process tests;

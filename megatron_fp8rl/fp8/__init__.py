@@ -3,7 +3,8 @@ calibration criteria, recipe specs, per-quantizer statistics and our FP8 linear 
 
 Owns: everything that decides how a high-precision tensor becomes FP8 on either runtime tier.
 Must not import: megatron, transformer_engine, megatron_fp8rl.compat or anything above L0
-(torch and the standard library only). TE and Megatron adapters live in megatron_fp8rl/compat/.
+(torch and the standard library only; fp8/triton_gemm.py also triton, imported at first use of
+the triton_invariant GEMM). TE and Megatron adapters live in megatron_fp8rl/compat/.
 """
 from megatron_fp8rl.fp8.calibration import CRITERIA, calibrate_bound
 from megatron_fp8rl.fp8.formats import E4M3, E5M2, Fp8Format, get_format, recipe_formats

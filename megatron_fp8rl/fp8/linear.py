@@ -24,9 +24,18 @@ The FP8 GEMM (`gemm` argument, GEMMS):
                      bits from the same FP8 codes (rollout/sglang_fp8.py uses this function). ~1.3-
                      1.6x an 'fp32_accumulate' forward on CPU. Other operands (E5M2 gradients, K
                      above the bound) fall back to 'fp32_accumulate'; the backward always does;
+- 'triton_invariant': fp8/triton_gemm.py's Triton kernel: fixed tiles, no split-K, fp32
+                     accumulation in a fixed K order, so a row's result does not depend on M either
+                     (batch-invariant on GPU, where 'exact' would be slow and cuBLASLt's algorithm
+                     changes with the shape). Per-tensor x per-tensor, or 1x128 activation groups x
+                     128x128 weight blocks; any other layout raises. CPU tensors need
+                     TRITON_INTERPRET=1 (else it raises). The backward runs 'scaled_mm' on CUDA,
+                     'fp32_accumulate' elsewhere;
 - 'auto' (default):  'scaled_mm' on CUDA, 'exact' on CPU, because torch 2.13's CPU
                      `_scaled_mm` (no AMX here) runs ~100x slower than an fp32 matmul (measured:
-                     1 s for 256x64x192), which would make the CPU tier's training unusable.
+                     1 s for 256x64x192), which would make the CPU tier's training unusable;
+- 'batch_invariant': what aligned rollouts select on both sides (trainer and SGLang's `fp8rl`
+                     method): 'triton_invariant' on CUDA, 'exact' on CPU.
 Q_g uses the recipe's backward format: E5M2 under 'hybrid', E4M3 under 'e4m3'. When an operand
 is not per-tensor (blockwise recipes: `_scaled_mm` on CPU rejects 128x128 block scales, and
 1x128 activation groups split the wgrad's contraction dimension), that GEMM runs as dequantize +
@@ -35,7 +44,8 @@ parameter; the FP8 copies of x and W saved for the backward are 1 byte per eleme
 Speed on CPU (bench/fp8_linear_speed.py): a calibrated or frozen-scale weight's quantization is
 cached (quantizer.WeightQuantCache) with its fp32 copy and transpose, which 'fp32_accumulate'
 uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values).
-Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only).
+Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only; the
+'triton_invariant' GEMM imports fp8/triton_gemm.py, torch + triton, when first called).
 """
 from __future__ import annotations
 
@@ -48,23 +58,37 @@ from megatron_fp8rl.fp8.quantizer import Fp8Quantizers, make_quantizers
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 
 EXTRA_STATE_VERSION = 1
-GEMMS = ("auto", "scaled_mm", "fp32_accumulate", "exact")
+GEMMS = ("auto", "batch_invariant", "scaled_mm", "fp32_accumulate", "exact", "triton_invariant")
 EXACT_MAX_K = 2**17
 """Longest contraction for which fp64 sums of E4M3 x E4M3 products are exact (module docstring)."""
 
 
 def resolve_gemm(gemm: str, device: torch.device) -> str:
-    """'auto' -> 'scaled_mm' on CUDA, 'fp32_accumulate' elsewhere; ValueError for unknown names."""
+    """'auto' -> 'scaled_mm' on CUDA, 'exact' elsewhere; 'batch_invariant' -> 'triton_invariant'
+    on CUDA, 'exact' elsewhere; ValueError for unknown names."""
     if gemm not in GEMMS:
         raise ValueError(f"unknown FP8 gemm {gemm!r}; valid: {', '.join(GEMMS)}")
     if gemm == "auto":
         return "scaled_mm" if device.type == "cuda" else "exact"
+    if gemm == "batch_invariant":
+        return "triton_invariant" if device.type == "cuda" else "exact"
     return gemm
 
 
+def _backward_gemm(gemm: str, device: torch.device) -> str:
+    """The backward's GEMM: invariance only matters where trainer and rollout must agree (the
+    forward), so the invariant GEMMs hand the backward to the fast one of the device."""
+    if gemm == "triton_invariant":
+        return "scaled_mm" if device.type == "cuda" else "fp32_accumulate"
+    return "fp32_accumulate" if gemm == "exact" else gemm
+
+
 def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.Tensor:
-    """a @ b^T in fp32 for a [M, K], b [N, K] per-tensor quantized ('scaled_mm' or
-    'fp32_accumulate', module docstring); other granularities: dequantize + fp32 matmul."""
+    """a @ b^T in fp32 for a [M, K], b [N, K] (module docstring): per-tensor operands by `gemm`;
+    'triton_invariant' also takes 1x128 x 128x128 block scales; other granularities: dequantize
+    + fp32 matmul."""
+    if gemm == "triton_invariant":
+        return _triton_matmul_nt(a, b)
     if a.granularity != "tensor" or b.granularity != "tensor":
         return a.dequantize() @ b.dequantize().t()
     if gemm == "scaled_mm":
@@ -78,6 +102,21 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
     if gemm == "exact" and _exact_sum_fits(a, b):
         return (_dense(a).double() @ _dense(b).double().t()).float() * a.scale_inv.float() * b.scale_inv.float()
     return (_dense(a) @ _dense(b).t()) * a.scale_inv.float() * b.scale_inv.float()
+
+
+def _triton_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+    """'triton_invariant' for the layouts its kernel has; ValueError naming any other (a fallback
+    to another GEMM would silently lose batch invariance)."""
+    from megatron_fp8rl.fp8.triton_gemm import GROUP, triton_fp8_matmul_nt
+
+    layout = (a.granularity, a.block, b.granularity, b.block)
+    if layout == ("tensor", None, "tensor", None):
+        return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv)
+    if layout == ("block", (1, GROUP), "block", (GROUP, GROUP)):
+        return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, block_scaled=True)
+    raise ValueError(f"triton_invariant FP8 GEMM: operands {a.granularity} {a.block} x {b.granularity} {b.block} "
+                     f"(shapes {tuple(a.data.shape)} x {tuple(b.data.shape)}) are not supported; per-tensor x "
+                     f"per-tensor, or block (1, {GROUP}) x block ({GROUP}, {GROUP})")
 
 
 def _exact_sum_fits(a: Fp8Tensor, b: Fp8Tensor) -> bool:
@@ -111,8 +150,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         y = fp8_matmul_nt(x_q, w_q, gemm)
         if bias is not None:
             y = y + bias.float()
-        # exactness only matters where trainer and rollout must agree: the forward
-        ctx.quantizers, ctx.gemm = quantizers, "fp32_accumulate" if gemm == "exact" else gemm
+        ctx.quantizers, ctx.gemm = quantizers, _backward_gemm(gemm, x.device)
         ctx.x_meta = (x_q.scale_inv, x_q.granularity, x_q.block, x.shape, x.dtype)
         ctx.w_meta = (w_q.scale_inv, w_q.granularity, w_q.block, weight.dtype)
         ctx.has_bias = bias is not None

@@ -14,10 +14,16 @@ Checkpoint layouts served (what convert/fp8_export.py writes; `quant_method: fp8
 - block: weight E4M3 + `weight_scale_inv` [ceil(n/128), ceil(K/128)] per fused shard, activations
   in 1x128 groups per token.
 Arithmetic (DESIGN hazard 3): static per-tensor activations with a uniform weight scale (the
-aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv` then
-`fp8_matmul_nt` with the GEMM `resolve_gemm('auto')` picks (the trainer's fp8/linear.py), bias
-added in fp32, cast to the activation dtype. Other layouts dequantize the same FP8 values and run
-one fp32 matmul (what the trainer does for non-per-tensor operands).
+aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv` then the
+trainer's own `fp8_matmul_nt` (fp8/linear.py) with the config's GEMM, by default
+'batch_invariant' ('exact' on CPU, the Triton kernel 'triton_invariant' on CUDA: a row's bits do
+not depend on the batch, so decode steps and the trainer's whole-sequence recompute agree), bias
+added in fp32, cast to the activation dtype. Other layouts (block scales, dynamic per-token
+activations, fused shards with unequal weight scales) dequantize the same FP8 values and run one
+fp32 matmul (what the trainer does for non-per-tensor operands; not batch-invariant on GPU, and
+the aligned mode never uses them), unless the config names 'triton_invariant': then block
+weights whose fused shards tile the 128x128 grid run the Triton kernel with 1x128 activation
+groups, and every layout it has no kernel for raises.
 SGLang 0.5.23 facts this relies on: fused qkv/gate_up layers load one scale per shard through the
 parameter's own `weight_loader(param, tensor, shard_id)`; the class name must be in
 `layers.linear.WEIGHT_LOADER_V2_SUPPORTED` so the FP8 weight loads through the v2 loader; Llama's
@@ -76,8 +82,11 @@ class Fp8RLConfig(QuantizationConfig):
     """FP8 checkpoints (per-tensor or 128x128 block weights) served by megatron_fp8rl's FP8 math."""
 
     def __init__(self, weight_block_size: list[int] | None, activation_scheme: str,
-                 ignored_layers: list[str]):
+                 ignored_layers: list[str], gemm: str = "batch_invariant"):
         super().__init__()
+        resolve_gemm(gemm, torch.device("cpu"))  # reject an unknown name now
+        self.gemm = gemm
+        """The FP8 GEMM of fp8/linear.py GEMMS; the trainer's aligned recompute must use the same."""
         if activation_scheme not in ("dynamic", "static"):
             raise ValueError(f"{OUR_FP8_METHOD}: activation_scheme must be dynamic or static, not {activation_scheme!r}")
         if weight_block_size is not None:
@@ -223,11 +232,14 @@ class Fp8RLLinearMethod(LinearMethodBase):
             widths = torch.tensor(layer.fp8rl_shards, device=scales.device)
             layer.fp8rl_row_scale_inv = scales.repeat_interleave(widths)[:, None].clone()
 
-    def _weight(self, layer) -> Fp8Tensor:
+    def _weight(self, layer) -> "Fp8Tensor | _Dequantized":
         if self.block is None:
             if layer.fp8rl_uniform_weight_scale:
                 return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor")
             return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row")
+        if all(width % self.block[0] == 0 for width in layer.fp8rl_shards[:-1]):
+            # the shards' scale rows are then the fused weight's own block grid
+            return Fp8Tensor(layer.weight, layer.weight_scale_inv, "block", self.block)
         pieces, row, scale_row = [], 0, 0
         for width, rows in zip(layer.fp8rl_shards, layer.fp8rl_scale_rows):
             pieces.append(dequantize_blockwise(layer.weight[row:row + width],
@@ -245,10 +257,15 @@ class Fp8RLLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         x_q, w_q = self._input(layer, x2d), self._weight(layer)
+        if isinstance(w_q, _Dequantized) and self.config.gemm == "triton_invariant":
+            raise ValueError(f"{self.prefix}: the triton_invariant GEMM needs fused block shards that tile the "
+                             f"{self.block} grid; found shard widths {layer.fp8rl_shards}")
         if isinstance(w_q, _Dequantized):
             y = x_q.dequantize() @ w_q.values.t()
-        else:
-            y = fp8_matmul_nt(x_q, w_q, resolve_gemm("auto", x.device))
+        elif self.config.gemm == "triton_invariant" or x_q.granularity == w_q.granularity == "tensor":
+            y = fp8_matmul_nt(x_q, w_q, resolve_gemm(self.config.gemm, x.device))
+        else:  # row or block scales under the default GEMMs: not the aligned layout
+            y = x_q.dequantize() @ w_q.dequantize().t()
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], layer.weight.shape[0])

@@ -1,0 +1,108 @@
+"""SGLang's `fp8rl` linear method and the trainer's FP8 linear share one GEMM function: with the
+'triton_invariant' GEMM (Triton's interpreter on CPU), the plugin's `apply` on a fused layer loaded
+as SGLang loads it gives the same bits as the trainer's frozen-scale `fp8_linear` on the same
+inputs, whether the plugin sees the whole sequence, a prefill chunk or one decode row at a time,
+and with the trainer's fused rows in another order (Megatron interleaves q/k/v by query group).
+
+In process, no engine: SGLang's modules are imported (after the CPU stand-ins) and the method's
+own create_weights / weight loaders / process_weights_after_loading build the layer.
+"""
+import pytest
+import torch
+
+from megatron_fp8rl.compat import sglang_cpu
+from megatron_fp8rl.fp8.formats import E4M3
+from megatron_fp8rl.fp8.linear import fp8_linear
+from megatron_fp8rl.fp8.quantize import WEIGHT_BLOCK, quantize_blockwise, quantize_with_scale_inv
+from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers
+from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling
+from tests.rollout.conftest import needs_sglang
+
+pytestmark = [needs_sglang, pytest.mark.triton]
+
+SHARDS = {"q": 128, "k": 64, "v": 64}
+K, TOKENS, PROMPT = 192, 9, 5
+PREFIX = "model.layers.0.self_attn.qkv_proj"
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    """rollout/sglang_fp8.py, imported with SGLang's CPU stand-ins (module scope: before the
+    `triton` marker's TRITON_INTERPRET, so SGLang's own kernels are not wrapped for it)."""
+    sglang_cpu.install()
+    from megatron_fp8rl.rollout import sglang_fp8
+
+    return sglang_fp8
+
+
+def _inputs(seed=0, k=K, n=sum(SHARDS.values())):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, TOKENS, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05,
+            torch.randn(n, generator=gen))
+
+
+def _served(plugin, config, shard_weights: dict, shard_scales: dict, input_scale=None):
+    """A fused layer built and loaded through the method's own parameters and loaders."""
+    method = plugin.Fp8RLLinearMethod(config, PREFIX)
+    layer = torch.nn.Module()
+    widths = [w.shape[0] for w in shard_weights.values()]
+    k = next(iter(shard_weights.values())).shape[1]
+    method.create_weights(layer, k, widths, k, sum(widths), torch.float32)
+    layer.weight.data.copy_(torch.cat(list(shard_weights.values())))
+    scale = layer.weight_scale_inv if config.weight_block_size else layer.weight_scale
+    for shard, value in shard_scales.items():
+        scale.weight_loader(scale, value, shard)
+        if input_scale is not None:
+            layer.input_scale.weight_loader(layer.input_scale, input_scale, shard)
+    method.process_weights_after_loading(layer)
+    return method, layer
+
+
+def _plugin_calls(method, layer, x, bias) -> torch.Tensor:
+    """The rows of x as SGLang's forward passes see them: a prefill chunk, then one decode row
+    per step (each its own call)."""
+    rows = [method.apply(layer, x[0, :PROMPT], bias)]
+    rows += [method.apply(layer, x[0, t:t + 1], bias) for t in range(PROMPT, TOKENS)]
+    return torch.cat(rows)
+
+
+def test_aligned_per_tensor_plugin_equals_trainer_bit_for_bit(plugin):
+    x, weight, bias = _inputs()
+    weight_scale_inv, input_scale_inv = weight.abs().max() / 448, x.abs().max() / 400
+    # the trainer holds the fused weight in another row order (Megatron's q/k/v interleaving)
+    order = torch.randperm(weight.shape[0], generator=torch.Generator().manual_seed(3))
+    quantizers = frozen_quantizers(make_quantizers(CalibratedDelayedScaling()), weight_scale_inv, input_scale_inv)
+    trainer = fp8_linear(x, weight[order], bias[order], quantizers, "triton_invariant")[0]
+    trainer = trainer[:, torch.argsort(order)]
+    served = quantize_with_scale_inv(weight, weight_scale_inv, E4M3).data
+    shards = dict(zip(SHARDS, torch.split(served, list(SHARDS.values()))))
+    config = plugin.Fp8RLConfig(None, "static", [], gemm="triton_invariant")
+    method, layer = _served(plugin, config, shards, {s: weight_scale_inv for s in SHARDS}, input_scale_inv)
+    assert torch.equal(method.apply(layer, x, bias)[0], trainer)  # the whole sequence at once
+    assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
+
+
+def test_block_scaled_plugin_equals_trainer_bit_for_bit(plugin):
+    x, weight, bias = _inputs(1, k=256, n=256)
+    trainer = fp8_linear(x, weight, bias, make_quantizers(BlockwiseScaling()), "triton_invariant")[0]
+    halves = torch.split(weight, 128)
+    shards = {i: quantize_blockwise(h, E4M3, WEIGHT_BLOCK) for i, h in enumerate(halves)}
+    config = plugin.Fp8RLConfig(list(WEIGHT_BLOCK), "dynamic", [], gemm="triton_invariant")
+    method, layer = _served(plugin, config, {i: q.data for i, q in shards.items()},
+                            {i: q.scale_inv for i, q in shards.items()})
+    assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
+
+
+def test_explicit_triton_gemm_refuses_per_token_activations(plugin):
+    x, weight, bias = _inputs()
+    scale = weight.abs().max() / 448
+    shards = dict(zip(SHARDS, torch.split(quantize_with_scale_inv(weight, scale, E4M3).data, list(SHARDS.values()))))
+    config = plugin.Fp8RLConfig(None, "dynamic", [], gemm="triton_invariant")
+    method, layer = _served(plugin, config, shards, {s: scale for s in SHARDS})
+    with pytest.raises(ValueError, match=r"triton_invariant FP8 GEMM: operands row None x tensor None"):
+        method.apply(layer, x, bias)
+
+
+def test_unknown_gemm_is_refused_at_config_time(plugin):
+    with pytest.raises(ValueError, match="unknown FP8 gemm 'cublas'"):
+        plugin.Fp8RLConfig(None, "static", [], gemm="cublas")
