@@ -21,7 +21,9 @@ The FP8 GEMM (`gemm` argument, GEMMS):
                      many rows are multiplied together or on the column order, which an fp32 GEMM's
                      does (its blocking changes with M). That is what lets SGLang's decode (a few
                      rows a step) and the trainer's recompute (whole sequences) produce the same
-                     bits from the same FP8 codes (rollout/sglang_fp8.py uses this function). ~1.3-
+                     bits from the same FP8 codes (rollout/sglang_fp8.py uses this function). Row
+                     scales (one multiplier per row of either operand: per-token activations,
+                     per-channel weights) multiply the rounded sum the same way. ~1.3-
                      1.6x an 'fp32_accumulate' forward on CPU. Other operands (E5M2 gradients, K
                      above the bound) fall back to 'fp32_accumulate'; the backward always does;
 - 'triton_invariant': fp8/triton_gemm.py's Triton kernel: fixed tiles, no split-K, fp32
@@ -89,6 +91,8 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
     + fp32 matmul."""
     if gemm == "triton_invariant":
         return _triton_matmul_nt(a, b)
+    if gemm == "exact" and _row_or_tensor(a, b) and _exact_sum_fits(a, b):
+        return (_dense(a).double() @ _dense(b).double().t()).float() * _left_scale(a) * _left_scale(b).reshape(1, -1)
     if a.granularity != "tensor" or b.granularity != "tensor":
         return a.dequantize() @ b.dequantize().t()
     if gemm == "scaled_mm":
@@ -99,8 +103,6 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
             scale_b=b.scale_inv.float(),
             out_dtype=torch.float32,
         )
-    if gemm == "exact" and _exact_sum_fits(a, b):
-        return (_dense(a).double() @ _dense(b).double().t()).float() * a.scale_inv.float() * b.scale_inv.float()
     return (_dense(a) @ _dense(b).t()) * a.scale_inv.float() * b.scale_inv.float()
 
 
@@ -117,6 +119,15 @@ def _triton_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     raise ValueError(f"triton_invariant FP8 GEMM: operands {a.granularity} {a.block} x {b.granularity} {b.block} "
                      f"(shapes {tuple(a.data.shape)} x {tuple(b.data.shape)}) are not supported; per-tensor x "
                      f"per-tensor, or block (1, {GROUP}) x block ({GROUP}, {GROUP})")
+
+
+def _row_or_tensor(a: Fp8Tensor, b: Fp8Tensor) -> bool:
+    return a.granularity in ("tensor", "row") and b.granularity in ("tensor", "row")
+
+
+def _left_scale(t: Fp8Tensor) -> torch.Tensor:
+    """t's dequant multiplier as a column for its rows: [] per tensor, [rows, 1] per row."""
+    return t.scale_inv.float() if t.granularity == "tensor" else t.scale_inv.float().reshape(-1, 1)
 
 
 def _exact_sum_fits(a: Fp8Tensor, b: Fp8Tensor) -> bool:

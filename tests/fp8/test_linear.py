@@ -9,7 +9,9 @@ import torch
 
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
 from megatron_fp8rl.fp8.linear import Fp8Linear, fp8_linear, fp8_matmul_nt
-from megatron_fp8rl.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_with_scale_inv
+from megatron_fp8rl.fp8.quantize import (
+    Fp8Tensor, quantize_blockwise, quantize_per_row, quantize_per_tensor, quantize_with_scale_inv,
+)
 from megatron_fp8rl.fp8.quantizer import make_quantizers
 from megatron_fp8rl.fp8.recipe import (
     BlockwiseScaling,
@@ -80,6 +82,23 @@ def test_exact_gemm_is_the_exactly_rounded_sum_whatever_the_row_count():
     assert torch.equal(single_rows, full)
     perm = torch.randperm(96, generator=torch.Generator().manual_seed(2))
     assert torch.equal(fp8_matmul_nt(a, _rows(b, perm), "exact"), full[:, perm])
+
+
+def test_exact_gemm_with_row_scales_is_row_invariant():
+    """Per-token activations x per-tensor or per-channel weights: each output is the exactly
+    rounded FP8 sum times its row's and its column's multipliers, whatever the row count."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(40, 576, generator=gen), torch.randn(96, 576, generator=gen)
+    a = quantize_per_row(x, E4M3)
+    for b in (quantize_per_row(w, E4M3), quantize_with_scale_inv(w, w.abs().amax() / 448, E4M3)):
+        full = fp8_matmul_nt(a, b, "exact")
+        codes = (a.data.double() @ b.data.double().t()).float()
+        b_scale = b.scale_inv.float().reshape(1, -1) if b.granularity == "row" else b.scale_inv.float()
+        assert torch.equal(full, codes * a.scale_inv.float() * b_scale)
+        rows = [fp8_matmul_nt(Fp8Tensor(a.data[i:i + 1], a.scale_inv[i:i + 1], "row"), b, "exact")
+                for i in range(40)]
+        assert torch.equal(torch.cat(rows), full)
+        torch.testing.assert_close(full, a.dequantize() @ b.dequantize().t(), rtol=1e-5, atol=1e-4)
 
 
 def _rows(t, rows):
