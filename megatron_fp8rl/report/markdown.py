@@ -29,6 +29,13 @@ FIGURE_NOTES = {
     "clip_attribution": "Fractions of response tokens the PPO clip would silence because of the "
                         "train/rollout noise alone, because of the policy change alone, or both "
                         "(logged by the noise-aware objective).",
+    "calibrated_clipping": "Calibrated Clipping's clip bounds in force, the shadow's clip share α of "
+                           "negative-advantage tokens, the positive/negative update balance p, and on "
+                           "calibration steps the share of negative-advantage tokens the FP8 ratio clips "
+                           "and the high-precision shadow's does not, with the plain and the calibrated bounds.",
+    "training_forward_noise": "|log π_θ − log π_old| of the update's first forward, where θ = θ_old: zero "
+                              "when the training forward computes exactly what π_old was computed with "
+                              "(aligned FP8); otherwise the FP8 noise every PPO ratio carries.",
 }
 
 
@@ -219,7 +226,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
             continue
         lines += [f"## {heading}", "", *_table(runs, figures, columns), ""]
     lines += ["## Plots", ""]
-    for name in ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "clip_attribution"):
+    for name in ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "clip_attribution",
+                 "calibrated_clipping", "training_forward_noise"):
         if name in plots:
             heading = LINE_FIGURES[name][0] if name in LINE_FIGURES else "Importance ratios"
             lines += [f"### {heading}", "", FIGURE_NOTES[name], "", f"![{name}]({plots[name].name})", ""]

@@ -45,7 +45,9 @@ def write_fake_run(run_dir: Path, *, steps: int, fp8: bool, mismatch: float) -> 
                     scalars[f"fp8/{layer}.{role}/bound"] = 3.0
             scalars["fp8/input/saturated_fraction_mean"] = 0.0042
             scalars.update({"noise/clip_noise_only_frac": 0.05, "noise/clip_policy_only_frac": 0.01,
-                            "noise/clip_both_frac": 0.002})
+                            "noise/clip_both_frac": 0.002, "clip/low": 0.8 - 0.01 * step, "clip/high": 1.3,
+                            "clip/neg_overclip_before": 0.05, "clip/neg_overclip_after": 0.01,
+                            "noise/train_forward_abs_delta_mean": 0.0})
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, step)
     writer.add_scalar("eval/accuracy", 0.3, steps)
@@ -68,7 +70,8 @@ def two_runs(tmp_path):
 def test_every_plot_and_the_markdown(two_runs, tmp_path):
     out = tmp_path / "report"
     report = write_report(list(two_runs), out)
-    expected = {"reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "clip_attribution", "fp8_fp8"}
+    expected = {"reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "clip_attribution", "fp8_fp8",
+                "calibrated_clipping", "training_forward_noise"}
     pngs = {p.stem for p in out.glob("*.png")}
     assert pngs == expected  # no heatmap for the run without an FP8 trainer
     for name in expected:
