@@ -20,6 +20,7 @@ WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
 ACTIVATION_SCHEMES = ("dynamic", "static")
 FP8_BACKENDS = ("ours", "sglang")
 TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise")
+MODEL_DTYPES = ("float32", "bfloat16")
 
 
 def _check(condition: bool, key: str, message: str) -> None:
@@ -39,9 +40,13 @@ class ModelConfig:
     """Megatron pipeline-parallel size."""
     fp8: str = "none"
     """Trainer FP8 recipe for every transformer linear: one of TRAINER_FP8."""
+    dtype: str = "float32"
+    """Parameter and activation dtype (one of MODEL_DTYPES). bfloat16 is Megatron mixed precision:
+    bf16 weights and activations, fp32 master weights, fp32 gradient accumulation and reduction."""
 
     def __post_init__(self):
         _check(self.fp8 in TRAINER_FP8, "model.fp8", f"{self.fp8!r} is not one of {TRAINER_FP8}")
+        _check(self.dtype in MODEL_DTYPES, "model.dtype", f"{self.dtype!r} is not one of {MODEL_DTYPES}")
         _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
                "tensor_parallel and pipeline_parallel must be >= 1")
 
@@ -59,7 +64,8 @@ class RolloutConfig:
     max_new_tokens: int = 32
     """Response length cap."""
     dtype: str = "float32"
-    """Dtype SGLang serves in (float32 on the CPU tier, bfloat16 on GPU)."""
+    """Dtype SGLang serves in: model.dtype, unless rollout.fp8 is blockwise or per_tensor (then the
+    unquantized parts, e.g. lm_head and norms, are served in it)."""
     max_total_tokens: int = 8192
     """SGLang KV-cache size in tokens (required on CPU)."""
     fp8: str = "none"
@@ -290,3 +296,7 @@ class RunConfig:
 
     def __post_init__(self):
         _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")
+        _check(self.rollout.fp8 in ("blockwise", "per_tensor") or self.rollout.dtype == self.model.dtype,
+               "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "
+               f"without FP8 rollouts (rollout.fp8={self.rollout.fp8!r}) SGLang must serve the trainer's "
+               "dtype, or every logprob carries the dtype gap; set them equal")

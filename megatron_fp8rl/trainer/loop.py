@@ -161,7 +161,7 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
         save_config(cfg, run_dir / "config.yaml")
         convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     dist.barrier()
-    actor = MegatronActor(Path(cfg.model.hf_path), run_dir / "init_megatron", cfg.model.fp8,
+    actor = MegatronActor(run_dir / "init_megatron", cfg.model,
                           OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                       clip_grad=cfg.train.clip_grad))
     ctx = StepContext(cfg=cfg, actor=actor, engine=_make_engine(cfg) if rank == 0 else None,
