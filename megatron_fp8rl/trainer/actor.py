@@ -73,7 +73,7 @@ class MegatronActor:
                               parallel_state.get_pipeline_model_parallel_world_size())
         recipe = recipe_by_name(model_cfg.fp8) if model_cfg.fp8 != "none" else None
         model = build_model_from_hf(self.hf_config, params_dtype=getattr(torch, model_cfg.dtype),
-                                    fp8_recipe=recipe)
+                                    fp8_recipe=recipe, fp8_backend=model_cfg.fp8_backend)
         _load_weights_only(model, init_dir)
         self.model = wrap_ddp(model, distributed_optimizer=True)
         self.optimizer = build_optimizer(self.model, optim)

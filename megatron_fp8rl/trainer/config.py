@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
 
 ALGORITHMS = ("grpo", "dapo", "gspo")
@@ -40,12 +41,20 @@ class ModelConfig:
     """Megatron pipeline-parallel size."""
     fp8: str = "none"
     """Trainer FP8 recipe for every transformer linear: one of TRAINER_FP8."""
+    fp8_backend: str = "ours"
+    """Who computes the trainer's FP8 GEMMs (one of MODEL_FP8_BACKENDS): ours (our FP8 linear,
+    torch._scaled_mm, on both tiers: the arithmetic aligned rollouts serve) or te (Transformer
+    Engine's layers under TE's autocast with the recipe; needs CUDA and TE)."""
     dtype: str = "float32"
     """Parameter and activation dtype (one of MODEL_DTYPES). bfloat16 is Megatron mixed precision:
     bf16 weights and activations, fp32 master weights, fp32 gradient accumulation and reduction."""
 
     def __post_init__(self):
         _check(self.fp8 in TRAINER_FP8, "model.fp8", f"{self.fp8!r} is not one of {TRAINER_FP8}")
+        _check(self.fp8_backend in MODEL_FP8_BACKENDS, "model.fp8_backend",
+               f"{self.fp8_backend!r} is not one of {MODEL_FP8_BACKENDS}")
+        _check(self.fp8_backend == "ours" or self.fp8 != "none", "model.fp8_backend",
+               "te runs an FP8 recipe: set model.fp8, or use fp8_backend=ours")
         _check(self.dtype in MODEL_DTYPES, "model.dtype", f"{self.dtype!r} is not one of {MODEL_DTYPES}")
         _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
                "tensor_parallel and pipeline_parallel must be >= 1")
@@ -300,3 +309,6 @@ class RunConfig:
                "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "
                f"without FP8 rollouts (rollout.fp8={self.rollout.fp8!r}) SGLang must serve the trainer's "
                "dtype, or every logprob carries the dtype gap; set them equal")
+        _check(not (self.rollout.fp8 == "aligned" and self.model.fp8_backend == "te"), "model.fp8_backend",
+               "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
+               "arithmetic; use model.fp8_backend=ours")

@@ -21,6 +21,7 @@ from megatron_fp8rl.data.arithmetic import arithmetic_records
 from megatron_fp8rl.data.records import DatasetError, PromptRecord, load_prompt_file, prompt_token_ids
 from megatron_fp8rl.data.rewards import load_reward_fn, score
 from megatron_fp8rl.data.sampler import PromptSampler
+from megatron_fp8rl.models.hf import check_fp8_backend
 from megatron_fp8rl.rl.metrics import paired_eval_change
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
@@ -40,7 +41,9 @@ def load_records(spec: str, split: str, size: int, cfg: RunConfig) -> list[Promp
 
 
 def check_inputs(cfg: RunConfig) -> None:
-    """Fail before any expensive work: missing checkpoint or dataset files, bad reward."""
+    """Fail before any expensive work: missing checkpoint or dataset files, bad reward, an FP8
+    backend this process cannot run."""
+    check_fp8_backend(cfg.model.fp8, cfg.model.fp8_backend)
     hf = Path(cfg.model.hf_path)
     if not (hf / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_path={hf}: no config.json (not an HF checkpoint folder)")
