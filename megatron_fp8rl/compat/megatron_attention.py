@@ -32,6 +32,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
+from megatron_fp8rl.compat.versions import check_signature
+
 _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
 
 
@@ -112,6 +114,10 @@ class SdpaAttention(DotProductAttention):
         out = scaled_dot_product_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
                                            enable_gqa=gqa, scale=self.softmax_scale, is_causal=causal)
         return out.permute(2, 0, 1, 3)
+
+
+check_signature(SdpaAttention.forward, DotProductAttention.forward, "SdpaAttention.forward vs "
+                "megatron DotProductAttention.forward", skip_first=False)
 
 
 def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:
