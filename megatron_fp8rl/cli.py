@@ -147,7 +147,7 @@ def _quiet_known_library_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_library_warnings()
-    versions.check_versions(versions.allowed_from_env(os.environ))
+    versions.gate(os.environ)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

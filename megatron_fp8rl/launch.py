@@ -105,7 +105,7 @@ def init_distributed(
     otherwise, in which case the megatron-core CPU compatibility layer is enabled first.
     """
     env = os.environ if env is None else env
-    versions.check_versions(versions.allowed_from_env(env))
+    versions.gate(env)
     rank, world_size, local_rank = read_torchrun_env(env)
     data_parallel = check_layout(world_size, tensor_parallel, pipeline_parallel)
     megatron_cpu.enable()

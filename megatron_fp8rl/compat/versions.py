@@ -1,8 +1,8 @@
 """The version gate: which versions of the libraries we patch or call into were tested, and the
 checks that make a drift loud.
 
-Owns: `TESTED_VERSIONS`, `check_versions` (called by every entry point: cli.main,
-launch.init_distributed, rollout.sglang_launch), `require` (the shims' own guard) and
+Owns: `TESTED_VERSIONS`, `gate` / `check_versions` (called by every entry point: cli.main,
+launch.init_distributed, rollout.sglang_launch, tools/*), `require` (the shims' own guard) and
 `check_signature` (an override asserts, at import, the signature of what it overrides).
 Must not import: anything of ours above L0; it reads no environment itself (entry points pass the
 override, `allowed_from_env`).
@@ -74,6 +74,12 @@ def check_versions(allow: Collection[str] = ()) -> dict[str, str]:
     _allowed = frozenset(allow)
     return {dist: require(dist) for dist in TESTED_VERSIONS
             if dist in REQUIRED or installed_version(dist) is not None}
+
+
+def gate(env: Mapping[str, str]) -> dict[str, str]:
+    """What an entry point calls first: `check_versions` with the override `env` (its process
+    environment) sets through ALLOW_ENV."""
+    return check_versions(allowed_from_env(env))
 
 
 def check_signature(ours: Callable, theirs: Callable, what: str, skip_first: bool = True) -> None:
