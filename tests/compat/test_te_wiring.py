@@ -98,3 +98,22 @@ def test_te_backend_refused_when_cuda_has_no_transformer_engine(monkeypatch):
     with pytest.raises(ValueError, match="CUDA is available but transformer_engine is not installed"):
         check_fp8_backend("tensorwise", "te")
     check_fp8_backend("tensorwise", "ours")
+
+
+def test_recipe_with_backend_ours_keeps_our_fp8_linears_where_te_is_usable(monkeypatch):
+    """Before: with TE usable, layer_spec returned TE's spec and dropped the recipe (FP8 silently
+    off). Now a recipe without backend te always gets our FP8 linears in the local spec."""
+    import importlib.util
+
+    from megatron_fp8rl.compat.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    from megatron_fp8rl.models import hf
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real_find_spec(name, *a))
+    assert hf.transformer_engine_usable()
+    spec = hf.layer_spec(qk_layernorm=True, fp8_recipe=CalibratedDelayedScaling())
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    assert (attention.linear_qkv.module, attention.linear_proj.module) == (Fp8ColumnParallelLinear, Fp8RowParallelLinear)
+    assert (mlp.linear_fc1.module, mlp.linear_fc2.module) == (Fp8ColumnParallelLinear, Fp8RowParallelLinear)
