@@ -150,18 +150,21 @@ def batch_invariance(device: torch.device, k: int, n: int, ms: tuple[int, ...]) 
     x = (torch.randn(max(ms), k, generator=gen) * 2).to(torch.float8_e4m3fn).to(device)
     w = (torch.randn(n, k, generator=gen) * 2).to(torch.float8_e4m3fn).to(device)
     one = torch.ones((), device=device)
-    scalings = {"per_tensor": lambda m: (one, one),
-                "row_wise": lambda m: (torch.ones(m, 1, device=device), torch.ones(1, n, device=device))}
+    scalings = {  # (scales for M rows, output dtype): CUDA's row-wise scaling outputs bf16 only
+        "per_tensor": (lambda m: (one, one), torch.float32),
+        "row_wise": (lambda m: (torch.ones(m, 1, device=device), torch.ones(1, n, device=device)), torch.bfloat16),
+    }
     results = {}
-    for name, scales in scalings.items():
+    for name, (scales, out_dtype) in scalings.items():
         try:
-            full = torch._scaled_mm(x, w.t(), *scales(max(ms)), out_dtype=torch.float32)
-            rows = {m: torch._scaled_mm(x[:m], w.t(), *scales(m), out_dtype=torch.float32) for m in ms}
+            full = torch._scaled_mm(x, w.t(), *scales(max(ms)), out_dtype=out_dtype)
+            rows = {m: torch._scaled_mm(x[:m], w.t(), *scales(m), out_dtype=out_dtype) for m in ms}
         except RuntimeError as err:  # a probe: an unsupported scaling on this device is a finding
             results[name] = {"error": str(err).splitlines()[0]}
             continue
         results[name] = {str(m): {"bit_equal": torch.equal(out, full[:m]),
-                                  "max_abs_diff": float((out - full[:m]).abs().max())} for m, out in rows.items()}
+                                  "max_abs_diff": float((out.float() - full[:m].float()).abs().max())}
+                         for m, out in rows.items()}
     return results
 
 
