@@ -87,14 +87,22 @@ def linears(hf: dict, tokens: int, device: torch.device, reps: int) -> dict[str,
     return results
 
 
-def megatron_step(hf: dict, batch: tuple[int, int], steps: int = 3) -> dict[str, dict]:
+def _lm_forward(chunk, batch):
+    return chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+
+def _mean_loss(batch, per_token_loss):
+    loss = per_token_loss.float().mean()
+    return loss, {"loss": loss.detach()}
+
+
+def megatron_step(hf: dict, batch: tuple[int, int], device: torch.device, steps: int = 3) -> dict[str, dict]:
     """Megatron bf16 training steps of `hf`'s layers with our FP8 linears and without."""
     from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
     from megatron_fp8rl.models.hf import build_model_from_hf
     from megatron_fp8rl.trainer.megatron_step import OptimConfig, build_optimizer, train_step, wrap_ddp
 
     micro, seq = batch
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, hf["vocab_size"], (micro, seq + 1), generator=gen).to(device)
     data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
@@ -110,14 +118,12 @@ def megatron_step(hf: dict, batch: tuple[int, int], steps: int = 3) -> dict[str,
         for _ in range(steps):
             _sync(device)
             start = time.perf_counter()
-            result = train_step(model, optimizer, [data],
-                                lambda chunk, b: chunk(b["tokens"], b["position_ids"], None, labels=b["labels"]),
-                                lambda b, out: (out.float().mean(), {"loss": out.float().mean()}), seq)
+            result = train_step(model, optimizer, [data], _lm_forward, _mean_loss, seq)
             _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(result.metrics["loss"])
-        results[name] = {"losses": losses, "step_s": times[-1],
-                         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        results[name] = {"losses": losses, "step_s": times[-1], "peak_gib": peak}
         del model, optimizer
     results["ratio_step"] = results["bf16+fp8"]["step_s"] / results["bf16"]["step_s"]
     return results
@@ -152,7 +158,8 @@ def batch_invariance(device: torch.device, k: int, n: int, ms: tuple[int, ...]) 
     one = torch.ones((), device=device)
     scalings = {  # (scales for M rows, output dtype): CUDA's row-wise scaling outputs bf16 only
         "per_tensor": (lambda m: (one, one), torch.float32),
-        "row_wise": (lambda m: (torch.ones(m, 1, device=device), torch.ones(1, n, device=device)), torch.bfloat16),
+        "row_wise": (lambda m: (torch.ones(m, 1, device=device), torch.ones(1, n, device=device)),
+                     torch.bfloat16),
     }
     results = {}
     for name, (scales, out_dtype) in scalings.items():
@@ -180,7 +187,7 @@ def run(tiny: bool) -> dict[str, object]:
         return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "torch": torch.__version__, "shapes": size,
                 "linears": linears(hf, tokens, device, reps=3 if tiny else 10),
-                "megatron_step": megatron_step(hf, batch),
+                "megatron_step": megatron_step(hf, batch, device),
                 "recipe_scales": recipe_scales(device, (tokens, hf["hidden_size"])),
                 "batch_invariance": batch_invariance(device, k, n, ms)}
     finally:

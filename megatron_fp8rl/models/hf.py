@@ -3,8 +3,8 @@
 Owns: reading HF config fields (old and new transformers spellings) into `MegatronModelArgs`,
 checking a TP/PP layout against them, choosing the layer spec (TE when Transformer Engine is
 usable, else the local spec, optionally with FP8 linear modules), the trainer FP8 backend (ours:
-our FP8 linears; te: TE's autocast with the recipe, refused where TE cannot run), and building the GPTModel chunk
-of this process (`build_model_from_hf`), also on the meta device (no weights).
+our FP8 linears; te: TE's autocast with the recipe, refused where TE cannot run), and building
+the GPTModel chunk of this process (`build_model_from_hf`), also on the meta device (no weights).
 Must not import: convert, rollout, data, trainer, cli (layer L2 imports only L0/L1).
 """
 from __future__ import annotations
