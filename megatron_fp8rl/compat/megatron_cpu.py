@@ -4,8 +4,9 @@ Owns: the patches that let Megatron-Core's GPTModel, pipeline schedules, DDP, op
 dist_checkpointing run on CPU tensors with the gloo backend. Must not import anything of ours above
 layer L1.
 
-Tested megatron-core versions: 0.16.1 (TESTED_VERSIONS). On any other version `enable()` raises
-rather than patching code it has not been checked against.
+Tested megatron-core versions: compat/versions.TESTED_VERSIONS. On any other version `enable()`
+raises rather than patching code it has not been checked against (unless the entry point allowed
+it explicitly, compat/versions.py).
 
 What fails unpatched on CPU, and what each patch does (see ../shared/DESIGN.md):
 - `torch.cuda.current_device/synchronize/set_device/manual_seed/get_rng_state/set_rng_state/
@@ -26,20 +27,15 @@ side effect). It is a no-op when CUDA is available. `disable()` undoes it (tests
 from __future__ import annotations
 
 import logging
-from importlib import metadata
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-TESTED_VERSIONS = ("0.16.1",)
+from megatron_fp8rl.compat.versions import require
 
 _CPU = torch.device("cpu")
 _saved: dict[tuple[object, str], object] = {}
 _mode: "_CudaToCpuMode | None" = None
-
-
-class UnsupportedMegatronVersion(RuntimeError):
-    """megatron-core is at a version the CPU compatibility layer was not tested on."""
 
 
 def _is_cuda_device(device: object) -> bool:
@@ -155,16 +151,9 @@ _RNG_FILTER = _SameContextRngWarningFilter()
 
 
 def check_version() -> str:
-    """Return the installed megatron-core version; raise if the shims were not tested on it."""
-    version = metadata.version("megatron-core")
-    if version not in TESTED_VERSIONS:
-        raise UnsupportedMegatronVersion(
-            f"megatron-core {version} is installed, but the CPU compatibility layer "
-            f"(megatron_fp8rl/compat/megatron_cpu.py) was tested on {', '.join(TESTED_VERSIONS)} only. "
-            "Install a tested version (pip install -e '.[cpu]') or check the patches against "
-            f"{version} and add it to TESTED_VERSIONS."
-        )
-    return version
+    """Return the installed megatron-core version; raise if the shims were not tested on it
+    (compat/versions.py, whose override the entry point set)."""
+    return require("megatron-core")
 
 
 def is_enabled() -> bool:

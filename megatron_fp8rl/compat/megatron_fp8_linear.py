@@ -12,7 +12,9 @@ Must not import: anything above layer L1 (models, convert, rollout, trainer, cli
 
 What changes against Megatron's layers: only `_forward_impl`, the matmul (megatron-core 0.16.1's
 `linear_with_grad_accumulation_and_async_allreduce`), which becomes
-`megatron_fp8rl.fp8.linear.fp8_linear`. Tensor parallelism keeps Megatron's semantics: a column
+`megatron_fp8rl.fp8.linear.fp8_linear`. Importing this module asserts that override's signature
+against Megatron's (compat/versions.check_signature): a new Megatron argument raises, never
+vanishes into **kwargs. Tensor parallelism keeps Megatron's semantics: a column
 layer's input gradient is all-reduced over the TP group (`copy_to_tensor_model_parallel_region`
 around the FP8 function does exactly the backward all-reduce Megatron's fused function does);
 row layers reduce their output in Megatron's own `forward`. Sequence parallelism (not supported by
@@ -35,9 +37,11 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_fp8rl.compat.versions import check_signature
 from megatron_fp8rl.fp8.linear import (
     fp8_linear,
     load_quantizers_extra_state,
@@ -78,14 +82,19 @@ class _Fp8LinearMixin:
         self.fp8_high_precision = False
         """True inside `high_precision_fp8_linears`: Megatron's own matmul, no quantizer touched."""
 
-    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
-                      allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
-                      tp_group=None, **unused):
+    def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                      sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=0,
+                      async_grad_allreduce=None, tp_group=None):
+        """Megatron's `linear_with_grad_accumulation_and_async_allreduce`, parameter for parameter
+        (checked at import), computed by our FP8 linear."""
         if self.fp8_high_precision:
             return super()._forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                                         sequence_parallel, grad_output_buffer, tp_group=tp_group, **unused)
+                                         sequence_parallel, grad_output_buffer, wgrad_deferral_limit,
+                                         async_grad_allreduce, tp_group)
         _check_supported(type(self).__name__, sequence_parallel, gradient_accumulation_fusion,
                          grad_output_buffer)
+        if async_grad_allreduce is not None:  # Megatron's deprecated alias
+            allreduce_dgrad = async_grad_allreduce
         if allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         return fp8_linear(input, weight, bias, self.fp8_quantizers, self.fp8_gemm)
@@ -101,6 +110,18 @@ class _Fp8LinearMixin:
     def fp8_stats(self) -> dict:
         """{role: QuantStats of the last quantization} of this layer."""
         return self.fp8_quantizers.stats()
+
+
+def _megatron_forward_impl(self, input, weight, *args, **kwargs):
+    """The `_forward_impl` of Megatron's parallel linears we override: it passes everything on to
+    linear_with_grad_accumulation_and_async_allreduce."""
+
+
+check_signature(_Fp8LinearMixin._forward_impl, linear_with_grad_accumulation_and_async_allreduce,
+                "Fp8*ParallelLinear._forward_impl vs megatron linear_with_grad_accumulation_and_async_allreduce")
+for _layer in (ColumnParallelLinear, RowParallelLinear):
+    check_signature(_layer._forward_impl, _megatron_forward_impl, f"{_layer.__name__}._forward_impl",
+                    skip_first=False)
 
 
 class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):

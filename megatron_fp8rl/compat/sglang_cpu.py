@@ -37,15 +37,14 @@ import os
 import signal
 import sys
 import types
-from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
 from megatron_fp8rl.compat.process_env import without_torchrun_env
+from megatron_fp8rl.compat.versions import require
 
 import torch
 
-TESTED_VERSIONS = ("0.5.23",)
 STANDIN_DIR = Path(__file__).resolve().parent / "sglang_cpu_standins"
 CPU_SGL_KERNEL_NAMES = (
     "copy_all_layer_kv_cache_cpu",
@@ -172,15 +171,7 @@ def subprocess_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _check_version() -> None:
-    try:
-        found = metadata.version("sglang")
-    except metadata.PackageNotFoundError as err:
-        raise RuntimeError("sglang is not installed; see requirements/sglang-cpu.txt") from err
-    if found not in TESTED_VERSIONS:
-        raise RuntimeError(
-            f"SGLang CPU stand-ins were checked against sglang {TESTED_VERSIONS}, found {found}; "
-            "re-measure the imports listed in megatron_fp8rl/compat/sglang_cpu.py before widening"
-        )
+    require("sglang")
 
 
 def start_engine(kwargs: dict):

@@ -25,8 +25,11 @@ Megatron-Core (0.16.1) plug-in: `megatron.core.fp8_utils.get_fp8_context` builds
 transformer layer, looking `get_fp8_recipe` up as a module global of `megatron.core.fp8_utils` at
 call time. `install_megatron_recipe(spec)` replaces that global with a function returning one
 shared TE instance of our recipe for configs with `fp8_recipe == 'delayed'` (others fall back
-to Megatron's own choice), and returns the function that restores it. Set `config.fp8` to the
-spec's format ('hybrid' / 'e4m3') and `config.fp8_recipe = 'delayed'`.
+to Megatron's own choice), and returns the function that restores it. `megatron_fp8_fields(recipe)`
+gives the TransformerConfig fields (`fp8`, `fp8_recipe`, margin and amax-history fields) for our
+recipe and for the baselines, which map to TE's own recipes (delayed -> DelayedScaling,
+tensorwise -> Float8CurrentScaling, blockwise -> Float8BlockScaling). models.hf wires both when
+`model.fp8_backend=te`. Not wired: TE >= 2.9's `CustomRecipe` (Megatron's `fp8_recipe='custom'`).
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ from typing import Callable
 
 import torch
 
-from megatron_fp8rl.fp8.quantize import scale_from_bound
-from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
+from megatron_fp8rl.fp8.quantize import ACTIVATION_BLOCK, WEIGHT_BLOCK, scale_from_bound
+from megatron_fp8rl.fp8.recipe import (
+    BlockwiseScaling, CalibratedDelayedScaling, CurrentScaling, DelayedScaling, Fp8Recipe,
+)
 from megatron_fp8rl.fp8.scaling import bound_from_history
 
 CALIBRATION_FIELDS = (
@@ -150,6 +155,33 @@ def from_te_recipe(te_recipe) -> CalibratedDelayedScaling:
     )
 
 
+_MEGATRON_RECIPES = {CalibratedDelayedScaling: "delayed", DelayedScaling: "delayed",
+                     CurrentScaling: "tensorwise", BlockwiseScaling: "blockwise"}
+"""Our recipe spec -> Megatron's `fp8_recipe`, whose TE recipe Megatron's get_fp8_recipe builds
+(DelayedScaling, Float8CurrentScaling, Float8BlockScaling; ours after install_megatron_recipe)."""
+
+
+def megatron_fp8_fields(recipe: Fp8Recipe) -> dict[str, object]:
+    """The TransformerConfig fields under which Megatron's TE layers run `recipe` through TE's
+    autocast. ValueError naming a field Megatron's TE recipes cannot carry (they have no
+    reduce_amax switch; Float8CurrentScaling no margin; Float8BlockScaling fixed blocks)."""
+    if not getattr(recipe, "reduce_amax", True):
+        raise ValueError("reduce_amax=False: Megatron's TE recipes always reduce amaxes")
+    fields: dict[str, object] = {"fp8": recipe.fp8_format, "fp8_recipe": _MEGATRON_RECIPES[type(recipe)]}
+    if isinstance(recipe, (CalibratedDelayedScaling, DelayedScaling)):
+        algo = getattr(recipe, "amax_compute_algo", "max")  # calibrated: te_amax_compute, 'max'
+        fields.update(fp8_margin=recipe.margin, fp8_amax_history_len=recipe.amax_history_len,
+                      fp8_amax_compute_algo=algo)
+    elif isinstance(recipe, CurrentScaling) and recipe.margin:
+        raise ValueError(f"margin={recipe.margin}: TE's Float8CurrentScaling, as Megatron builds "
+                         "it, has no margin; use margin=0")
+    elif isinstance(recipe, BlockwiseScaling) and (recipe.weight_block, recipe.activation_block) != (
+            WEIGHT_BLOCK, ACTIVATION_BLOCK):
+        raise ValueError(f"blocks {recipe.weight_block}/{recipe.activation_block}: TE's "
+                         f"Float8BlockScaling uses {WEIGHT_BLOCK}/{ACTIVATION_BLOCK} only")
+    return fields
+
+
 def install_megatron_recipe(spec: CalibratedDelayedScaling) -> Callable[[], None]:
     """Make Megatron-Core's fp8 recipe selection return our recipe for `fp8_recipe='delayed'`.
 
@@ -157,7 +189,8 @@ def install_megatron_recipe(spec: CalibratedDelayedScaling) -> Callable[[], None
     """
     from megatron.core import fp8_utils
 
-    original = fp8_utils.get_fp8_recipe
+    # a second install replaces the first instead of wrapping it
+    original = getattr(fp8_utils.get_fp8_recipe, "megatron_original", fp8_utils.get_fp8_recipe)
     te_recipe = to_te_recipe(spec)
 
     def get_fp8_recipe(config):
@@ -171,10 +204,15 @@ def install_megatron_recipe(spec: CalibratedDelayedScaling) -> Callable[[], None
             )
         return te_recipe
 
+    get_fp8_recipe.megatron_original = original
     fp8_utils.get_fp8_recipe = get_fp8_recipe
+    return restore_megatron_recipe
 
-    def uninstall() -> None:
-        fp8_utils.get_fp8_recipe = original
 
-    return uninstall
+def restore_megatron_recipe() -> None:
+    """Undo `install_megatron_recipe` (no-op when Megatron's own selection is in place)."""
+    from megatron.core import fp8_utils
+
+    fp8_utils.get_fp8_recipe = getattr(fp8_utils.get_fp8_recipe, "megatron_original",
+                                       fp8_utils.get_fp8_recipe)
 

@@ -21,10 +21,12 @@ def tiny_transformer_config(
     num_attention_heads: int = 4,
     num_query_groups: int = 2,
     ffn_hidden_size: int = 128,
+    params_dtype: torch.dtype = torch.float32,
 ) -> TransformerConfig:
     """A Llama-shaped config (RMSNorm, SwiGLU, RoPE, GQA, no biases) small enough for CPU tests.
 
     Dropout is off so runs at different TP/PP layouts are comparable token for token.
+    `params_dtype=torch.bfloat16` is Megatron bf16 mixed precision (`bf16=True`).
     """
     return TransformerConfig(
         num_layers=num_layers,
@@ -39,11 +41,12 @@ def tiny_transformer_config(
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=params_dtype,
     )
 
 

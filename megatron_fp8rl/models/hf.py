@@ -2,8 +2,9 @@
 
 Owns: reading HF config fields (old and new transformers spellings) into `MegatronModelArgs`,
 checking a TP/PP layout against them, choosing the layer spec (TE when Transformer Engine is
-usable, else the local spec, optionally with FP8 linear modules), and building the GPTModel chunk
-of this process (`build_model_from_hf`), also on the meta device (no weights).
+usable, else the local spec, optionally with FP8 linear modules), the trainer FP8 backend (ours:
+our FP8 linears; te: TE's autocast with the recipe, refused where TE cannot run), and building
+the GPTModel chunk of this process (`build_model_from_hf`), also on the meta device (no weights).
 Must not import: convert, rollout, data, trainer, cli (layer L2 imports only L0/L1).
 """
 from __future__ import annotations
@@ -27,7 +28,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_fp8rl.compat.megatron_attention import with_sdpa_attention
 from megatron_fp8rl.compat.megatron_fp8_linear import fp8_local_layer_spec
-from megatron_fp8rl.fp8.recipe import Fp8Recipe
+from megatron_fp8rl.compat.te_recipe import (
+    install_megatron_recipe, megatron_fp8_fields, restore_megatron_recipe,
+)
+from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 from megatron_fp8rl.models.family import ModelFamily, UnsupportedModelError
 from megatron_fp8rl.models.gpt import build_gpt_model
 from megatron_fp8rl.models.registry import family_for
@@ -149,28 +153,61 @@ def megatron_args_from_hf(
     )
 
 
+FP8_BACKENDS = ("ours", "te")
+"""Who computes the trainer's FP8 GEMMs: ours (our FP8 linear in the local spec, torch._scaled_mm;
+both tiers) or te (Transformer Engine's layers under TE's autocast with the recipe; GPU tier)."""
+
+
 def transformer_engine_usable() -> bool:
     """TE layers need CUDA and an installed transformer_engine (never installed on the CPU tier)."""
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_fp8_backend(fp8: str, fp8_backend: str) -> None:
+    """Refuse, naming the keys, a trainer FP8 backend this process cannot run (te without CUDA
+    or without Transformer Engine)."""
+    if fp8_backend != "te" or fp8 == "none":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"model.fp8_backend=te (model.fp8={fp8}) needs CUDA and Transformer Engine; "
+                         "this process has no CUDA device: use model.fp8_backend=ours")
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(f"model.fp8_backend=te (model.fp8={fp8}): CUDA is available but "
+                         "transformer_engine is not installed; install it or use model.fp8_backend=ours")
+
+
+def te_fp8_overrides(fp8_recipe: Fp8Recipe) -> dict[str, Any]:
+    """TransformerConfig fields that make TE's autocast run `fp8_recipe`: our calibrated recipe
+    is installed into Megatron's recipe selection (compat/te_recipe.py); for the others Megatron
+    selects TE's own recipe from the fields (any earlier install is undone)."""
+    fields = megatron_fp8_fields(fp8_recipe)
+    if isinstance(fp8_recipe, CalibratedDelayedScaling):
+        install_megatron_recipe(fp8_recipe)
+    else:
+        restore_megatron_recipe()
+    return fields
 
 
 def layer_spec(
     qk_layernorm: bool,
     use_te: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
+    fp8_gemm: str = "auto",
 ) -> ModuleSpec:
-    """The transformer layer spec: TE's when `use_te` (default: when TE is usable), else local.
+    """The transformer layer spec: TE's when `use_te` (default: when TE is usable and there is no
+    `fp8_recipe`), else local.
 
-    With `fp8_recipe` the local spec's linears are our FP8 drop-ins
-    (megatron_fp8rl.compat.megatron_fp8_linear); under TE, FP8 comes from TE's autocast with the
-    recipe instead, so the spec is unchanged. Both specs store the same checkpoint keys (the local
-    spec maps its separate norms onto TE's fused names).
+    With `fp8_recipe` and not `use_te`, the local spec's linears are our FP8 drop-ins
+    (megatron_fp8rl.compat.megatron_fp8_linear); with `use_te`, FP8 comes from TE's autocast
+    (the config fields of `te_fp8_overrides`), so the spec is unchanged. Both specs store the
+    same checkpoint keys (the local spec maps its separate norms onto TE's fused names).
+    `fp8_gemm`: our FP8 linears' GEMM (fp8.linear.GEMMS; batch_invariant for aligned rollouts).
     """
-    use_te = transformer_engine_usable() if use_te is None else use_te
+    use_te = (transformer_engine_usable() and fp8_recipe is None) if use_te is None else use_te
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     if fp8_recipe is not None:
-        spec = fp8_local_layer_spec(fp8_recipe, qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        spec = fp8_local_layer_spec(fp8_recipe, fp8_gemm, qk_layernorm=qk_layernorm, normalization="RMSNorm")
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     return with_sdpa_attention(spec)
@@ -182,13 +219,21 @@ def build_model_from_hf(
     use_te: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
     device: torch.device | str | None = None,
+    fp8_backend: str = "ours",
+    fp8_gemm: str = "auto",
     **overrides: Any,
 ) -> GPTModel:
     """This process's GPTModel chunk for an HF config, with random (or, on meta, no) weights.
 
+    `fp8_backend` (FP8_BACKENDS) says who runs `fp8_recipe`: ours (local spec, our FP8 linears)
+    or te (TE spec, the TransformerConfig's fp8 fields; check_fp8_backend first); `fp8_gemm` is
+    our FP8 linears' GEMM (layer_spec).
     `device="meta"` builds shapes only (parameter counts, checkpoint layouts); weights come from
     a checkpoint (megatron_fp8rl.convert writes one from HF safetensors).
     """
+    if fp8_recipe is not None and fp8_backend == "te":
+        overrides = {**te_fp8_overrides(fp8_recipe), **overrides}
+        use_te = True
     if device is not None and torch.device(device).type == "meta":
         overrides = {"use_cpu_initialization": True, "perform_initialization": False, **overrides}
     args = megatron_args_from_hf(hf_config, params_dtype=params_dtype, **overrides)
@@ -196,14 +241,13 @@ def build_model_from_hf(
         args.config,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_sequence_length,
-        layer_spec=layer_spec(args.family.qk_layernorm, use_te, fp8_recipe),
+        layer_spec=layer_spec(args.family.qk_layernorm, use_te, fp8_recipe, fp8_gemm),
         rotary_base=args.rope.theta,
         tie_embeddings=args.tie_embeddings,
         device=device,
     )
     apply_rope_scaling(model, args.rope)
     return model
-
 
 
 def build_conversion_target(hf_config: Any, tensor_parallel: int = 1,

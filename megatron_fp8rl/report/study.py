@@ -7,8 +7,9 @@ Owns: the settings table, the study's run sizes (full and --quick), running the 
 after another, and its command line (`megatron-fp8rl stability`, `python bench/stability.py`).
 Must not import: trainer code (runs are subprocesses; the report reads their logs).
 
-"bf16" in a setting name means the high-precision dtype: bfloat16 on GPU, float32 on the CPU tier
-(rollout.dtype=float32 and an unquantized Megatron actor in fp32).
+"bf16" in a setting name means the high-precision dtype: model.dtype / rollout.dtype as the run
+sets them, float32 unless `--set model.dtype=bfloat16 --set rollout.dtype=bfloat16` (Megatron bf16
+mixed precision; real on both tiers).
 """
 from __future__ import annotations
 
@@ -167,8 +168,8 @@ def _print_timings(timings: dict[str, float]) -> None:
 
 
 PREAMBLE = ("The same RL job (seed, prompts, sizes) under each precision setting. `bf16` is the "
-            "high-precision dtype: bfloat16 on GPU, float32 on the CPU tier. Setting names: "
-            "`<trainer>_<rollout>_<correction>`.")
+            "high-precision dtype: model.dtype/rollout.dtype of the runs (float32 unless set to "
+            "bfloat16). Setting names: `<trainer>_<rollout>_<correction>`.")
 
 
 def run_study(args: argparse.Namespace) -> int:

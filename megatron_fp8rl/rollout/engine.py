@@ -83,8 +83,9 @@ class RolloutEngine(Protocol):
     def release_memory(self) -> None:
         """Colocated mode: free weights and KV cache so the trainer can use the memory."""
 
-    def resume_memory(self) -> None:
-        """Colocated mode: take the memory back after `release_memory`."""
+    def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Colocated mode: take the memory of `tags` (None: all) back after `release_memory`:
+        the weights before a weight sync, the rest after it."""
 
     def health(self) -> bool:
         """Whether the engine answers."""

@@ -1,7 +1,7 @@
 """What the in-process SGLang engine and the SGLang server share: their configuration, the
 translation of our sampling parameters into SGLang's, and of SGLang's outputs into `RolloutSample`s.
 
-Owns: `SGLangConfig`, `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`, and
+Owns: `SGLangConfig`, `MEMORY_TAGS`, `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`, and
 the rollout FP8 modes (`ROLLOUT_FP8`, `FP8_BACKENDS`, `check_fp8_checkpoint`): which FP8 checkpoint
 layout each mode serves and which SGLang quantization method serves it.
 Must not import: models, convert, data, trainer, cli; and not sglang itself (the server client
@@ -21,6 +21,8 @@ from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, Sam
 # (DESIGN.md hazard 1); RL needs the temperature-1 policy's logprobs.
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's memory kinds that `release_memory_occupation` frees (its GPU_MEMORY_ALL_TYPES)."""
 OUR_FP8_METHOD = "fp8rl"
 """SGLang quantization method name of rollout/sglang_fp8.py (registered by its plugin)."""
 ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
@@ -69,10 +71,17 @@ class SGLangConfig:
     fp8_backend: str = "ours"
     """Which SGLang quantization method serves FP8 (FP8_BACKENDS). "sglang" cannot run on a CPU
     without AMX and is not bit-aligned with the trainer."""
+    memory_saver: bool | None = None
+    """In-process engine: let `release_memory` free device memory (SGLang's enable_memory_saver,
+    torch_memory_saver). None: on for CUDA. GPU only (it hooks CUDA allocations); True is refused
+    on the CPU."""
     extra: dict = field(default_factory=dict)
     """Further SGLang ServerArgs, passed through unchanged."""
 
     def __post_init__(self):
+        if self.memory_saver and self.resolved_device() == "cpu":
+            raise ValueError("SGLangConfig.memory_saver: torch_memory_saver frees CUDA memory only; "
+                             "on the CPU release_memory runs SGLang's protocol without it")
         if self.fp8 not in ROLLOUT_FP8:
             raise ValueError(f"SGLangConfig.fp8: {self.fp8!r} is not one of {ROLLOUT_FP8}")
         if self.activation_scheme not in ("dynamic", "static"):
@@ -152,6 +161,8 @@ def engine_kwargs(config: SGLangConfig) -> dict:
         kwargs["mem_fraction_static"] = config.mem_fraction_static
     if config.deterministic:
         kwargs["enable_deterministic_inference"] = True
+    if config.memory_saver or (config.memory_saver is None and config.resolved_device() == "cuda"):
+        kwargs["enable_memory_saver"] = True
     if config.fp8 != "none":
         kwargs["quantization"] = OUR_FP8_METHOD if config.fp8_backend == "ours" else "fp8"
     kwargs.update(config.extra)

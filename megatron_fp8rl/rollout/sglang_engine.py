@@ -2,8 +2,9 @@
 
 Owns: `SGLangEngine`, the in-process implementation of `RolloutEngine`: start-up with the CPU tier's
 stand-ins, generation with temperature-1 logprobs, validated weight updates through
-`update_weights_from_tensor` between `begin_weight_update()`/`end_weight_update()`, and a
-shutdown that stops only the processes this engine started.
+`update_weights_from_tensor` between `begin_weight_update()`/`end_weight_update()`, colocated
+memory release/resume through SGLang's own API, and a shutdown that stops only the processes this
+engine started.
 Must not import: models, convert, data, trainer, cli.
 
 SGLang 0.5.23 behaviours handled here (measured on CPU):
@@ -34,6 +35,7 @@ from megatron_fp8rl.compat import sglang_cpu
 from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
 from megatron_fp8rl.rollout.sglang_common import (
     ENGINE_ENV,
+    MEMORY_TAGS,
     SGLangConfig,
     check_fp8_checkpoint,
     check_model_dir,
@@ -64,6 +66,7 @@ class SGLangEngine:
         self._failure: str | None = None
         self._child_pids: set[int] = set()
         self._engine = None
+        self._released: set[str] = set()
         self._start()
 
     def _start(self) -> None:
@@ -116,6 +119,7 @@ class SGLangEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[RolloutSample]:
         """n samples per prompt (prompt-major), with temperature-1 logprobs and the weight version."""
+        self._check_resident("generate", MEMORY_TAGS)
         expanded = expand_prompts(prompt_token_ids, n)
         outputs = self._run(
             "generate",
@@ -128,6 +132,7 @@ class SGLangEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Validate every tensor against the served checkpoint, then load them in one session.
         A refused update raises `WeightUpdateError` and leaves the served weights unchanged."""
+        self._check_resident("update_weights", ("weights",))
         checked = validate_named_tensors(named_tensors, self.expected)
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
@@ -155,15 +160,33 @@ class SGLangEngine:
             raise RolloutEngineError(f"SGLang {what} failed: {message}")
 
     def release_memory(self) -> None:
-        """Colocated mode. On CPU a no-op: SGLang releases memory through torch_memory_saver, which
-        intercepts CUDA allocations only (and the CPU tier's host RAM is not contended)."""
-        if self.config.resolved_device() != "cpu":
-            self._run("release_memory", lambda: self._engine.release_memory_occupation())
+        """Colocated mode, before the train phase: SGLang's `release_memory_occupation` for its
+        weights, KV cache and CUDA graphs. On a GPU (`memory_saver`) their device memory is freed;
+        on the CPU SGLang runs the same protocol (cache flushed, buffers stashed) but frees
+        nothing: torch_memory_saver hooks CUDA allocations only. Until `resume_memory` gives them
+        back, `generate` (and, while the weights are released, `update_weights`) raise."""
+        if self._released:
+            raise RolloutEngineError(f"release_memory: {sorted(self._released)} are already released")
+        self._run("release_memory", lambda: self._engine.release_memory_occupation(list(MEMORY_TAGS)))
+        self._released = set(MEMORY_TAGS)
 
-    def resume_memory(self) -> None:
-        """Colocated mode: undo `release_memory` (no-op on CPU, see there)."""
-        if self.config.resolved_device() != "cpu":
-            self._run("resume_memory", lambda: self._engine.resume_memory_occupation())
+    def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Take back what `release_memory` freed, of `tags` (MEMORY_TAGS; None: all): the weights
+        before a weight sync writes them, the rest after it. Tags not released are skipped."""
+        tags = MEMORY_TAGS if tags is None else tuple(tags)
+        unknown = set(tags) - set(MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"resume_memory: unknown tags {sorted(unknown)}; known: {MEMORY_TAGS}")
+        released = [tag for tag in MEMORY_TAGS if tag in set(tags) & self._released]
+        if released:
+            self._run("resume_memory", lambda: self._engine.resume_memory_occupation(released))
+            self._released -= set(released)
+
+    def _check_resident(self, what: str, tags: Iterable[str]) -> None:
+        released = sorted(set(tags) & self._released)
+        if released:
+            raise RolloutEngineError(f"{what}: SGLang's {', '.join(released)} memory is released "
+                                     "(release_memory); call resume_memory first")
 
     def health(self) -> bool:
         """Whether the engine is up and its child processes are alive."""

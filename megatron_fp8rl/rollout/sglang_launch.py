@@ -11,8 +11,9 @@ import sys
 
 
 def main(argv: list[str]) -> None:
-    from megatron_fp8rl.compat import sglang_cpu, sglang_cpu_sampling
+    from megatron_fp8rl.compat import sglang_cpu, sglang_cpu_sampling, versions
 
+    versions.gate(os.environ)
     on_cpu = sglang_cpu.install()  # the parent's environment already selects the stand-ins
     from sglang.srt.entrypoints.http_server import launch_server
     from sglang.srt.managers.scheduler import run_scheduler_process

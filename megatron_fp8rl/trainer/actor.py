@@ -32,6 +32,7 @@ from megatron_fp8rl.fp8.recipe import recipe_by_name
 from megatron_fp8rl.models.hf import build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
 from megatron_fp8rl.trainer.batch import prompt_lengths
+from megatron_fp8rl.trainer.config import ModelConfig
 from megatron_fp8rl.trainer.megatron_step import (
     OptimConfig, StepResult, build_optimizer, forward_only, train_step, wrap_ddp,
 )
@@ -63,14 +64,17 @@ def _load_weights_only(model: torch.nn.Module, directory: Path) -> None:
 
 
 class MegatronActor:
-    """The trained policy: a GPTModel chunk in Megatron DDP with its distributed optimizer."""
+    """The trained policy: a GPTModel chunk in Megatron DDP with its distributed optimizer, in
+    `model_cfg.dtype` (bfloat16: Megatron mixed precision, trainer.megatron_step.wrap_ddp)."""
 
-    def __init__(self, hf_path: Path, init_dir: Path, fp8: str, optim: OptimConfig):
-        self.hf_config = json.loads((Path(hf_path) / "config.json").read_text())
+    def __init__(self, init_dir: Path, model_cfg: ModelConfig, optim: OptimConfig, fp8_gemm: str = "auto"):
+        """`fp8_gemm`: our FP8 linears' GEMM (fp8.linear.GEMMS); RunConfig.trainer_fp8_gemm."""
+        self.hf_config = json.loads((Path(model_cfg.hf_path) / "config.json").read_text())
         check_parallel_layout(self.hf_config, parallel_state.get_tensor_model_parallel_world_size(),
                               parallel_state.get_pipeline_model_parallel_world_size())
-        recipe = recipe_by_name(fp8) if fp8 != "none" else None
-        model = build_model_from_hf(self.hf_config, fp8_recipe=recipe)
+        recipe = recipe_by_name(model_cfg.fp8) if model_cfg.fp8 != "none" else None
+        model = build_model_from_hf(self.hf_config, params_dtype=getattr(torch, model_cfg.dtype),
+                                    fp8_recipe=recipe, fp8_backend=model_cfg.fp8_backend, fp8_gemm=fp8_gemm)
         _load_weights_only(model, init_dir)
         self.model = wrap_ddp(model, distributed_optimizer=True)
         self.optimizer = build_optimizer(self.model, optim)

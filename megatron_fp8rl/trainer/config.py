@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
 
 ALGORITHMS = ("grpo", "dapo", "gspo")
@@ -22,6 +23,7 @@ FP8_BACKENDS = ("ours", "sglang")
 TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise")
 CLIP_CALIBRATIONS = ("none", "shadow")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
+MODEL_DTYPES = ("float32", "bfloat16")
 
 
 def _check(condition: bool, key: str, message: str) -> None:
@@ -41,9 +43,21 @@ class ModelConfig:
     """Megatron pipeline-parallel size."""
     fp8: str = "none"
     """Trainer FP8 recipe for every transformer linear: one of TRAINER_FP8."""
+    fp8_backend: str = "ours"
+    """Who computes the trainer's FP8 GEMMs (one of MODEL_FP8_BACKENDS): ours (our FP8 linear,
+    torch._scaled_mm, on both tiers: the arithmetic aligned rollouts serve) or te (Transformer
+    Engine's layers under TE's autocast with the recipe; needs CUDA and TE)."""
+    dtype: str = "float32"
+    """Parameter and activation dtype (one of MODEL_DTYPES). bfloat16 is Megatron mixed precision:
+    bf16 weights and activations, fp32 master weights, fp32 gradient accumulation and reduction."""
 
     def __post_init__(self):
         _check(self.fp8 in TRAINER_FP8, "model.fp8", f"{self.fp8!r} is not one of {TRAINER_FP8}")
+        _check(self.fp8_backend in MODEL_FP8_BACKENDS, "model.fp8_backend",
+               f"{self.fp8_backend!r} is not one of {MODEL_FP8_BACKENDS}")
+        _check(self.fp8_backend == "ours" or self.fp8 != "none", "model.fp8_backend",
+               "te runs an FP8 recipe: set model.fp8, or use fp8_backend=ours")
+        _check(self.dtype in MODEL_DTYPES, "model.dtype", f"{self.dtype!r} is not one of {MODEL_DTYPES}")
         _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
                "tensor_parallel and pipeline_parallel must be >= 1")
 
@@ -61,7 +75,8 @@ class RolloutConfig:
     max_new_tokens: int = 32
     """Response length cap."""
     dtype: str = "float32"
-    """Dtype SGLang serves in (float32 on the CPU tier, bfloat16 on GPU)."""
+    """Dtype SGLang serves in: model.dtype, unless rollout.fp8 is blockwise or per_tensor (then the
+    unquantized parts, e.g. lm_head and norms, are served in it)."""
     max_total_tokens: int = 8192
     """SGLang KV-cache size in tokens (required on CPU)."""
     fp8: str = "none"
@@ -339,8 +354,24 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints (checkpoint.dir defaults to <run_dir>/checkpoints)."""
 
+    @property
+    def trainer_fp8_gemm(self) -> str:
+        """The GEMM of the trainer's FP8 linears: batch_invariant for aligned rollouts (the Triton
+        kernel the SGLang fp8rl method also runs on GPU, 'exact' on CPU), else auto."""
+        return "batch_invariant" if self.rollout.fp8 == "aligned" else "auto"
+
     def __post_init__(self):
         _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")
         _check(self.algorithm.clip_calibration == "none" or self.model.fp8 != "none",
                "algorithm.clip_calibration", "shadow calibrates FP8 ratios against a high-precision "
                "shadow: it needs an FP8 trainer (model.fp8), which is none here")
+        _check(self.algorithm.clip_calibration == "none" or self.model.fp8_backend == "ours",
+               "algorithm.clip_calibration", "shadow's high-precision forward is wired for our FP8 linear "
+               "(model.fp8_backend=ours), not for TE's layers (te)")
+        _check(self.rollout.fp8 in ("blockwise", "per_tensor") or self.rollout.dtype == self.model.dtype,
+               "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "
+               f"without FP8 rollouts (rollout.fp8={self.rollout.fp8!r}) SGLang must serve the trainer's "
+               "dtype, or every logprob carries the dtype gap; set them equal")
+        _check(not (self.rollout.fp8 == "aligned" and self.model.fp8_backend == "te"), "model.fp8_backend",
+               "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
+               "arithmetic; use model.fp8_backend=ours")

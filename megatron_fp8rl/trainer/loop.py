@@ -21,6 +21,7 @@ from megatron_fp8rl.data.arithmetic import arithmetic_records
 from megatron_fp8rl.data.records import DatasetError, PromptRecord, load_prompt_file, prompt_token_ids
 from megatron_fp8rl.data.rewards import load_reward_fn, score
 from megatron_fp8rl.data.sampler import PromptSampler
+from megatron_fp8rl.models.hf import check_fp8_backend
 from megatron_fp8rl.rl.metrics import paired_eval_change
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
@@ -41,7 +42,9 @@ def load_records(spec: str, split: str, size: int, cfg: RunConfig) -> list[Promp
 
 
 def check_inputs(cfg: RunConfig) -> None:
-    """Fail before any expensive work: missing checkpoint or dataset files, bad reward."""
+    """Fail before any expensive work: missing checkpoint or dataset files, bad reward, an FP8
+    backend this process cannot run."""
+    check_fp8_backend(cfg.model.fp8, cfg.model.fp8_backend)
     hf = Path(cfg.model.hf_path)
     if not (hf / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_path={hf}: no config.json (not an HF checkpoint folder)")
@@ -162,9 +165,9 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
         save_config(cfg, run_dir / "config.yaml")
         convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     dist.barrier()
-    actor = MegatronActor(Path(cfg.model.hf_path), run_dir / "init_megatron", cfg.model.fp8,
+    actor = MegatronActor(run_dir / "init_megatron", cfg.model,
                           OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                      clip_grad=cfg.train.clip_grad))
+                                      clip_grad=cfg.train.clip_grad), cfg.trainer_fp8_gemm)
     ctx = StepContext(cfg=cfg, actor=actor, engine=_make_engine(cfg) if rank == 0 else None,
                       reward_fn=load_reward_fn(cfg.data.reward),
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

@@ -17,6 +17,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 # A micro-batch is a dict of tensors; the loss function maps (micro-batch, model output) to
 # (scalar loss, metrics dict). Model output is [batch, seq] per-token losses or logits.
@@ -44,7 +45,12 @@ class OptimConfig:
 
 
 def wrap_ddp(model: torch.nn.Module, distributed_optimizer: bool) -> DistributedDataParallel:
-    """Megatron DDP with fp32 grad buffers (required by the distributed optimizer)."""
+    """Megatron DDP with fp32 grad buffers (required by the distributed optimizer). A bf16/fp16
+    model (`config.bf16`/`fp16`) is first wrapped in Megatron's Float16Module, as Megatron's own
+    `get_model` does: weights in half precision, first-stage inputs cast down, last-stage outputs
+    cast up to fp32; the optimizer then keeps fp32 master weights (`build_optimizer`)."""
+    if model.config.bf16 or model.config.fp16:
+        model = Float16Module(model.config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=distributed_optimizer,
@@ -58,7 +64,9 @@ def wrap_ddp(model: torch.nn.Module, distributed_optimizer: bool) -> Distributed
 
 
 def build_optimizer(model: DistributedDataParallel, cfg: OptimConfig) -> MegatronOptimizer:
-    """Megatron's Adam(W) over the DDP-wrapped model chunk."""
+    """Megatron's Adam(W) over the DDP-wrapped model chunk; for a bf16/fp16 model, Megatron's
+    mixed-precision optimizer: fp32 master weights, stepped from the fp32 gradient buffers and
+    copied back into the half-precision weights."""
     config = OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,

@@ -60,6 +60,8 @@ def rl_step(ctx: StepContext, prompts: list[list[int]], answers: list[str], more
         samples, rewards, stats = _rollout_until_full(ctx, prompts, answers, more_prompts)
     if not samples:
         return {**stats, **ctx.timings}
+    if _colocated_engine(ctx):  # SGLang's memory goes to the trainer until sync_weights
+        ctx.engine.release_memory()
     with _timed(ctx, "advantages"):
         batch = _make_batch(ctx.cfg, samples, rewards)
     with _timed(ctx, "recompute"):  # bypass: the rollout logprobs are π_old, nothing to recompute
@@ -241,6 +243,11 @@ def _mean_metrics(results) -> dict[str, float]:
     return metrics
 
 
+def _colocated_engine(ctx: StepContext) -> bool:
+    """Whether this rank holds an in-process engine whose memory the train phase takes."""
+    return ctx.engine is not None and ctx.cfg.rollout.mode == "colocated"
+
+
 def sync_weights(ctx: StepContext, version: int) -> None:
     """Trainer weights -> rollout engine (through a torch_dist snapshot, any TP/PP), quantized
     for rollout.fp8 (rollout_fp8.rollout_tensors); aligned mode also sends the trainer's FP8
@@ -248,9 +255,13 @@ def sync_weights(ctx: StepContext, version: int) -> None:
     directory = ctx.actor.save_weights(ctx.sync_dir)
     mode = ctx.cfg.rollout.fp8
     scales = ctx.actor.aligned_scales() if mode == "aligned" else None
+    if _colocated_engine(ctx):
+        ctx.engine.resume_memory(["weights"])  # back before they are written; no-op unless released
     if ctx.engine is not None:
         tensors = rollout_tensors(ctx.actor.hf_tensors(directory),
                                   int(ctx.actor.hf_config["num_hidden_layers"]), mode, scales)
         ctx.engine.update_weights(tensors, version=version)
+    if _colocated_engine(ctx):
+        ctx.engine.resume_memory()  # KV cache and CUDA graphs
     ctx.actor.rollout_scales = scales
     dist.barrier()

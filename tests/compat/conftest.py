@@ -3,8 +3,8 @@
 TE cannot be imported on the CPU tier (no CUDA libraries), and a broken TE install breaks
 `import megatron.core.models.gpt`. TE's recipe module (`transformer_engine/common/recipe`) is
 pure Python, and the delayed-scaling update (`pytorch/quantization.py`) is plain torch code, so:
-- `te_wheel` downloads the 1.2 MB py3-none-any wheel once into <repo>/.cache/te_wheel/
-  (`pip download --no-deps`), and FAILS (never skips) when it cannot;
+- `te_wheel` is the 1.2 MB py3-none-any wheel that scripts/env.sh downloads into <venv>/wheels/
+  (`pip download --no-deps`); tests never touch the network, and FAIL (never skip) without it;
 - `te_recipe_module` extracts the recipe module into a temporary folder and imports it as
   `transformer_engine.common.recipe` under empty stand-in parent packages, for the test only
   (megatron is imported first so its HAVE_TE probe never sees the stand-ins, and they are removed
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import subprocess
 import sys
 import types
 import zipfile
@@ -27,7 +26,7 @@ import pytest
 
 TE_VERSION = "2.20.2"
 WHEEL_NAME = f"transformer_engine-{TE_VERSION}-py3-none-any.whl"
-CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache" / "te_wheel"
+WHEEL_DIR = Path(sys.prefix) / "wheels"
 RECIPE_PATH = "transformer_engine/common/recipe/__init__.py"
 QUANTIZATION_PATH = "transformer_engine/pytorch/quantization.py"
 SCALING_FUNCTIONS = (
@@ -47,20 +46,15 @@ def _real_te_available() -> bool:
 
 @pytest.fixture(scope="session")
 def te_wheel() -> Path:
-    """Path of TE's meta wheel in the cache folder, downloaded on first use."""
-    wheel = CACHE_DIR / WHEEL_NAME
-    if not wheel.exists():
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                   f"transformer-engine=={TE_VERSION}", "-d", str(CACHE_DIR)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0 or not wheel.exists():
-            pytest.fail(
-                f"could not download TE's recipe sources ({' '.join(command[2:])}) into "
-                f"{CACHE_DIR}: {done.stderr.strip()[-800:]}\nThe TE recipe tests need them; "
-                f"put {WHEEL_NAME} into {CACHE_DIR} by hand on an offline machine.",
-                pytrace=False,
-            )
+    """Path of TE's meta wheel in the virtualenv's wheels folder (put there by scripts/env.sh)."""
+    wheel = WHEEL_DIR / WHEEL_NAME
+    if not wheel.is_file():
+        pytest.fail(
+            f"{wheel} is missing: the TE recipe tests read TE's sources from it. Run "
+            f"scripts/env.sh, or on an offline machine copy {WHEEL_NAME} there by hand "
+            f"(pip download --no-deps transformer-engine=={TE_VERSION} -d {WHEEL_DIR}).",
+            pytrace=False,
+        )
     return wheel
 
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from megatron_fp8rl.compat import megatron_cpu
+from megatron_fp8rl.compat import megatron_cpu, versions
+from megatron_fp8rl.compat.versions import UntestedVersionError
 
 
 def test_not_enabled_by_import():
@@ -14,8 +15,8 @@ def test_not_enabled_by_import():
 
 
 def test_untested_version_is_refused(monkeypatch):
-    monkeypatch.setattr(megatron_cpu.metadata, "version", lambda name: "0.99.0")
-    with pytest.raises(megatron_cpu.UnsupportedMegatronVersion, match="0.99.0.*tested on 0.16.1"):
+    monkeypatch.setattr(versions.metadata, "version", lambda name: "0.99.0")
+    with pytest.raises(UntestedVersionError, match="megatron-core 0.99.0 is installed.*tested with megatron-core 0.16.1"):
         megatron_cpu.enable()
     assert not megatron_cpu.is_enabled()
 

@@ -26,13 +26,14 @@ def megatron_tp1():
     megatron_cpu.disable()
 
 
-def build_gpt(spec):
+def build_gpt(spec, dtype=torch.float32):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                                use_cpu_initialization=True, hidden_dropout=0.0,
-                               attention_dropout=0.0, params_dtype=torch.float32)
+                               attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
+                               bf16=dtype == torch.bfloat16)
     torch.manual_seed(0)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ)
@@ -184,3 +185,38 @@ def test_high_precision_shadow_is_the_fp32_twin_and_touches_no_fp8_state(megatro
         with high_precision_fp8_linears(fp32):
             pass
     assert all(stats[n] is not None for n in stats)
+
+
+def test_fp8_linears_train_under_bf16_mixed_precision(megatron_tp1):
+    """Megatron bf16 (Float16Module, fp32 master weights; trainer.megatron_step) with our FP8
+    linears: the FP8 GEMMs see bf16 inputs, return bf16, keep fp32 scales, and the FP8 model
+    trains like its bf16 twin."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_local_layer_spec
+    from megatron_fp8rl.trainer.megatron_step import OptimConfig, build_optimizer, train_step, wrap_ddp
+
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    losses, models = {}, {}
+    for name, spec in (("bf16", get_gpt_layer_local_spec()), ("fp8", fp8_local_layer_spec())):
+        model = wrap_ddp(build_gpt(spec, torch.bfloat16), distributed_optimizer=True)
+        optimizer = build_optimizer(model, OptimConfig(lr=3e-3, distributed_optimizer=True))
+        losses[name], models[name] = [], model
+        for step in range(30):
+            tokens, labels = next_token_batch(step)
+            batch = {"tokens": tokens, "labels": labels, "position_ids": positions}
+            result = train_step(model, optimizer, [batch],
+                                lambda chunk, b: chunk(b["tokens"], b["position_ids"], None, labels=b["labels"]),
+                                lambda b, out: (out.mean(), {"loss": out.mean()}), SEQ)
+            losses[name].append(result.metrics["loss"])
+    from megatron.core.transformer.module import Float16Module
+
+    assert isinstance(models["fp8"].module, Float16Module)
+    layer = models["fp8"].module.module.decoder.layers[0]
+    assert layer.mlp.linear_fc1.weight.dtype == torch.bfloat16
+    assert layer.mlp.linear_fc1.fp8_quantizers.input.state.scale.dtype == torch.float32
+    hidden = torch.randn(SEQ, BATCH, 64, dtype=torch.bfloat16)
+    assert layer.mlp.linear_fc1(hidden)[0].dtype == torch.bfloat16
+    assert losses["fp8"][-1] < 0.4 * losses["fp8"][0]
+    gaps = [abs(a - b) for a, b in zip(losses["fp8"], losses["bf16"])]
+    assert 0 < max(gaps) <= LOSS_TOLERANCE, gaps

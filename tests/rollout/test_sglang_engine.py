@@ -116,3 +116,24 @@ def test_idle_engine_leaves_the_cpu_to_the_trainer(engine):
     used = [sum(p.cpu_times()[:2]) - b for p, b in zip(children, before)]
     # busy-polling costs ~1 CPU-second per second; sleeping costs a few milliseconds
     assert max(used) < 0.25 * elapsed, f"idle SGLang children used {used} CPU-seconds in {elapsed:.1f} s"
+
+
+def test_memory_release_and_resume_through_sglangs_api(engine, hf_model):
+    """Colocated mode's protocol on CPU (SGLang frees nothing here: torch_memory_saver is CUDA-only,
+    and SGLangConfig refuses memory_saver on CPU): released, the engine refuses to generate or take
+    weights; weights resumed, a sync lands; all resumed, it serves what transformers computes."""
+    from megatron_fp8rl.rollout.engine import RolloutEngineError
+    from megatron_fp8rl.rollout.sglang_common import SGLangConfig
+
+    with pytest.raises(ValueError, match="memory_saver: torch_memory_saver frees CUDA memory only"):
+        SGLangConfig(model_path="unused", device="cpu", memory_saver=True)
+    engine.release_memory()
+    with pytest.raises(RolloutEngineError, match="generate: SGLang's cuda_graph, kv_cache, weights memory is released"):
+        engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4))
+    state = {name: tensor for name, tensor in hf_model.state_dict().items() if name in engine.expected.shapes}
+    with pytest.raises(RolloutEngineError, match="update_weights: SGLang's weights memory is released"):
+        engine.update_weights(state.items(), version=7)
+    engine.resume_memory(["weights"])
+    engine.update_weights(state.items(), version=7)
+    engine.resume_memory()
+    _check_greedy_matches(engine, hf_model, version=7)

@@ -106,3 +106,19 @@ def test_gpu_examples_fit_their_model_and_gpus(name):
     check_parallel_layout(hf, cfg.model.tensor_parallel, cfg.model.pipeline_parallel)
     assert gpus % (cfg.model.tensor_parallel * cfg.model.pipeline_parallel) == 0, name
     assert cfg.model.fp8 != "none", name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.dtype=float16"], "model.dtype: 'float16' is not one of"),
+    (["model.dtype=bfloat16"], "rollout.dtype: 'float32' differs from model.dtype='bfloat16'"),
+    (["rollout.dtype=bfloat16"], "rollout.dtype: 'bfloat16' differs from model.dtype='float32'"),
+    (["model.dtype=bfloat16", "model.fp8=calibrated", "rollout.fp8=aligned"], "rollout.dtype: 'float32' differs"),
+])
+def test_dtype_mismatch_names_the_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, ["model.hf_path=/x", *overrides])
+
+
+def test_fp8_rollouts_may_serve_another_dtype():
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "model.dtype=bfloat16", "rollout.fp8=blockwise"])
+    assert (cfg.model.dtype, cfg.rollout.dtype) == ("bfloat16", "float32")

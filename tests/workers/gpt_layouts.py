@@ -8,7 +8,8 @@ Modes:
   verify     (1 process): load WORKDIR/resaved_<tag> at TP=1 and compare every tensor bit for bit
              with WORKDIR/init; write WORKDIR/verify_<tag>.json.
 Every layout sees the same global batch: GLOBAL_BATCH sequences split into micro-batches, and
-split over data-parallel ranks.
+split over data-parallel ranks. `--dtype bfloat16` runs Megatron bf16 mixed precision; the json
+then also records the dtypes the model, the optimizer's master weights and the grads live in.
 """
 from __future__ import annotations
 
@@ -46,10 +47,23 @@ def _loss(batch, per_token_loss):
     return loss, {"lm_loss": loss.detach()}
 
 
-def _build():
+def _build(dtype: str):
     from megatron_fp8rl.models.gpt import build_gpt_model, tiny_transformer_config
 
-    return build_gpt_model(tiny_transformer_config(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    config = tiny_transformer_config(params_dtype=getattr(torch, dtype))
+    return build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def _precision(ddp, optimizer) -> dict[str, list[str]]:
+    """The dtypes of the weights the forward uses, of the optimizer's (master) parameters and of
+    the gradients the optimizer reads."""
+    master = [p for chained in optimizer.chained_optimizers
+              for group in chained.optimizer.param_groups for p in group["params"]]
+    return {
+        "model": sorted({str(p.dtype) for p in ddp.parameters()}),
+        "master": sorted({str(p.dtype) for p in master}),
+        "main_grad": sorted({str(p.main_grad.dtype) for p in ddp.parameters()}),
+    }
 
 
 def _load_into(model, path: Path) -> None:
@@ -72,7 +86,7 @@ def train(args) -> None:
 
     layout = init_distributed(args.tp, args.pp, seed=args.seed)
     workdir = Path(args.workdir)
-    model = _build()
+    model = _build(args.dtype)
     if args.mode == "reference":
         _save(model, workdir / "init")
     else:
@@ -87,14 +101,15 @@ def train(args) -> None:
                             _forward, _loss, seq_length=SEQ)
         history.append({"lm_loss": result.metrics["lm_loss"], "grad_norm": result.grad_norm})
     if layout.rank == 0:
-        (workdir / f"{args.tag}.json").write_text(json.dumps(history))
+        result = {"history": history, "precision": _precision(ddp, optimizer)}
+        (workdir / f"{args.tag}.json").write_text(json.dumps(result))
     shutdown_distributed()
 
 
 def verify(args) -> None:
     init_distributed(1, 1, seed=args.seed + 1)  # a different seed: weights must come from disk
     workdir = Path(args.workdir)
-    reference, resaved = _build(), _build()
+    reference, resaved = _build(args.dtype), _build(args.dtype)
     _load_into(reference, workdir / "init")
     _load_into(resaved, workdir / f"resaved_{args.tag}")
     ref_sd, new_sd = reference.state_dict(), resaved.state_dict()
@@ -115,5 +130,6 @@ if __name__ == "__main__":
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     cli_args = parser.parse_args()
     (verify if cli_args.mode == "verify" else train)(cli_args)

@@ -1,0 +1,209 @@
+"""GPU smoke kit: the four GPU-tier facts the CPU machine cannot measure, in one run (scripts/gpu_smoke.sh).
+
+1. linears: our FP8 linear (calibrated recipe, gemm 'auto' = torch._scaled_mm on CUDA) against a
+   bf16 `F.linear` at Qwen3-8B's linear shapes, forward and forward+backward; ratio FP8/bf16.
+2. megatron_step: a few Qwen3-8B-shaped decoder layers in Megatron bf16 mixed precision
+   (model.dtype=bfloat16: Float16Module, fp32 master weights), trained for a few steps with our
+   FP8 linears and without; loss per step, step time, ratio, peak memory.
+3. recipe_scales: the calibrated recipe's quantizer fed the same tensors on the device and on the
+   CPU: are its scales and FP8 codes bit-identical (the aligned rollout depends on it)?
+4. batch_invariance: does row i of `torch._scaled_mm(x[:M], w^T)` change with M (per-tensor and
+   row-wise scales)? Bit-equal rows are what a batch-invariant FP8 GEMM must give.
+`--tiny` runs the same code on tiny shapes on the CPU (the default test suite runs it, so the kit
+does not rot). Prints one JSON document; `--out` also writes it.
+
+Run: python bench/gpu_smoke.py [--tiny] [--out result.json]  (the GPU machine: scripts/gpu_smoke.sh run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, hidden_act="silu", tie_word_embeddings=False)
+"""Qwen3-8B's config.json, 4 of its 36 layers."""
+TINY = dict(QWEN3_8B, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+SIZES = {  # (tokens per GEMM, micro-batch x sequence of the Megatron step, batch-invariance Ms)
+    "full": (8192, (2, 2048), (1, 16, 128, 1024, 8192)),
+    "tiny": (64, (2, 16), (1, 16, 64)),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of `fn` over `reps` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def linear_shapes(hf: dict) -> dict[str, tuple[int, int]]:
+    """{linear: (in K, out N)} of one decoder layer (qkv and gate/up fused, as Megatron has them)."""
+    heads, kv, head_dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    hidden, ffn = hf["hidden_size"], hf["intermediate_size"]
+    return {"qkv": (hidden, (heads + 2 * kv) * head_dim), "proj": (heads * head_dim, hidden),
+            "fc1": (hidden, 2 * ffn), "fc2": (ffn, hidden)}
+
+
+def linears(hf: dict, tokens: int, device: torch.device, reps: int) -> dict[str, dict[str, float]]:
+    """Seconds of bf16 F.linear and of our FP8 linear per shape, forward and forward+backward."""
+    from megatron_fp8rl.fp8.linear import fp8_linear
+    from megatron_fp8rl.fp8.quantizer import make_quantizers
+    from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
+
+    results = {}
+    for name, (k, n) in linear_shapes(hf).items():
+        x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        weight = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16).requires_grad_()
+        quantizers = make_quantizers(CalibratedDelayedScaling(reduce_amax=False))
+        cases = {"bf16": lambda: F.linear(x, weight), "fp8": lambda: fp8_linear(x, weight, None, quantizers)}
+        row = {}
+        for case, forward in cases.items():
+            with torch.no_grad():
+                row[f"{case}_fwd_s"] = _time(forward, device, reps)
+            row[f"{case}_fwd_bwd_s"] = _time(lambda: forward().sum().backward(), device, reps)
+        row["ratio_fwd"] = row["fp8_fwd_s"] / row["bf16_fwd_s"]
+        row["ratio_fwd_bwd"] = row["fp8_fwd_bwd_s"] / row["bf16_fwd_bwd_s"]
+        results[f"{name} {k}->{n} x{tokens}"] = row
+    return results
+
+
+def _lm_forward(chunk, batch):
+    return chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+
+def _mean_loss(batch, per_token_loss):
+    loss = per_token_loss.float().mean()
+    return loss, {"loss": loss.detach()}
+
+
+def megatron_step(hf: dict, batch: tuple[int, int], device: torch.device, steps: int = 3) -> dict[str, dict]:
+    """Megatron bf16 training steps of `hf`'s layers with our FP8 linears and without."""
+    from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
+    from megatron_fp8rl.models.hf import build_model_from_hf
+    from megatron_fp8rl.trainer.megatron_step import OptimConfig, build_optimizer, train_step, wrap_ddp
+
+    micro, seq = batch
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, hf["vocab_size"], (micro, seq + 1), generator=gen).to(device)
+    data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+            "position_ids": torch.arange(seq, device=device).expand(micro, seq)}
+    results = {}
+    for name, recipe in (("bf16", None), ("bf16+fp8", CalibratedDelayedScaling())):
+        torch.manual_seed(0)
+        model = wrap_ddp(build_model_from_hf(hf, params_dtype=torch.bfloat16, fp8_recipe=recipe), True)
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-4))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        losses, times = [], []
+        for _ in range(steps):
+            _sync(device)
+            start = time.perf_counter()
+            result = train_step(model, optimizer, [data], _lm_forward, _mean_loss, seq)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+            losses.append(result.metrics["loss"])
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        results[name] = {"losses": losses, "step_s": times[-1], "peak_gib": peak}
+        del model, optimizer
+    results["ratio_step"] = results["bf16+fp8"]["step_s"] / results["bf16"]["step_s"]
+    return results
+
+
+def recipe_scales(device: torch.device, shape: tuple[int, int], steps: int = 6) -> dict[str, object]:
+    """The calibrated quantizer on `device` and on the CPU, fed the same tensors (growing, with an
+    outlier from step 3 on, so that the bound is recalibrated): equal scales and FP8 codes?"""
+    from megatron_fp8rl.fp8.quantizer import make_quantizers
+    from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
+
+    recipe = CalibratedDelayedScaling(reduce_amax=False)
+    pair = {"device": make_quantizers(recipe).input, "cpu": make_quantizers(recipe).input}
+    gen = torch.Generator().manual_seed(1)
+    scales, codes_equal = [], []
+    for step in range(steps):
+        x = torch.randn(shape, generator=gen) * (1 + step)
+        if step >= 3:
+            x[0, 0] = 1000.0 * (1 + step)
+        on_device, on_cpu = pair["device"].quantize(x.to(device)), pair["cpu"].quantize(x)
+        scales.append([float(pair["device"].state.scale), float(pair["cpu"].state.scale)])
+        codes_equal.append(torch.equal(on_device.data.cpu().view(torch.uint8), on_cpu.data.view(torch.uint8)))
+    return {"scales_device_cpu": scales, "scales_equal": all(a == b for a, b in scales),
+            "codes_equal": all(codes_equal)}
+
+
+def batch_invariance(device: torch.device, k: int, n: int, ms: tuple[int, ...]) -> dict[str, dict]:
+    """For each M: is `_scaled_mm(x[:M], w^T)` bit-equal, row for row, to the largest M's rows?"""
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(max(ms), k, generator=gen) * 2).to(torch.float8_e4m3fn).to(device)
+    w = (torch.randn(n, k, generator=gen) * 2).to(torch.float8_e4m3fn).to(device)
+    one = torch.ones((), device=device)
+    scalings = {  # (scales for M rows, output dtype): CUDA's row-wise scaling outputs bf16 only
+        "per_tensor": (lambda m: (one, one), torch.float32),
+        "row_wise": (lambda m: (torch.ones(m, 1, device=device), torch.ones(1, n, device=device)),
+                     torch.bfloat16),
+    }
+    results = {}
+    for name, (scales, out_dtype) in scalings.items():
+        try:
+            full = torch._scaled_mm(x, w.t(), *scales(max(ms)), out_dtype=out_dtype)
+            rows = {m: torch._scaled_mm(x[:m], w.t(), *scales(m), out_dtype=out_dtype) for m in ms}
+        except RuntimeError as err:  # a probe: an unsupported scaling on this device is a finding
+            results[name] = {"error": str(err).splitlines()[0]}
+            continue
+        results[name] = {str(m): {"bit_equal": torch.equal(out, full[:m]),
+                                  "max_abs_diff": float((out.float() - full[:m].float()).abs().max())}
+                         for m, out in rows.items()}
+    return results
+
+
+def run(tiny: bool) -> dict[str, object]:
+    from megatron_fp8rl.launch import init_distributed, shutdown_distributed
+
+    hf, size = (TINY, "tiny") if tiny else (QWEN3_8B, "full")
+    tokens, batch, ms = SIZES[size]
+    layout = init_distributed(1, 1, seed=0)
+    device = layout.device
+    try:
+        k, n = linear_shapes(hf)["fc1"]
+        return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "shapes": size,
+                "linears": linears(hf, tokens, device, reps=3 if tiny else 10),
+                "megatron_step": megatron_step(hf, batch, device),
+                "recipe_scales": recipe_scales(device, (tokens, hf["hidden_size"])),
+                "batch_invariance": batch_invariance(device, k, n, ms)}
+    finally:
+        shutdown_distributed()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (the CI path)")
+    parser.add_argument("--out", type=Path, help="also write the JSON result here")
+    args = parser.parse_args()
+    result = json.dumps(run(args.tiny), indent=1)
+    print(result, flush=True)
+    if args.out is not None:
+        args.out.write_text(result)
+
+
+if __name__ == "__main__":
+    main()

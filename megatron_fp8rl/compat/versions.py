@@ -1,0 +1,94 @@
+"""The version gate: which versions of the libraries we patch or call into were tested, and the
+checks that make a drift loud.
+
+Owns: `TESTED_VERSIONS`, `gate` / `check_versions` (called by every entry point: cli.main,
+launch.init_distributed, rollout.sglang_launch, tools/*), `require` (the shims' own guard) and
+`check_signature` (an override asserts, at import, the signature of what it overrides).
+Must not import: anything of ours above L0; it reads no environment itself (entry points pass the
+override, `allowed_from_env`).
+
+Override: `MEGATRON_FP8RL_ALLOW_UNTESTED=<dist>[,<dist>...]` (or `all`) in the environment of
+the entry point runs with those distributions at untested versions, at the user's risk: the
+signature checks still run and still raise on a drift they can see.
+"""
+from __future__ import annotations
+
+import inspect
+from importlib import metadata
+from typing import Callable, Collection, Mapping
+
+ALLOW_ENV = "MEGATRON_FP8RL_ALLOW_UNTESTED"
+TESTED_VERSIONS = {
+    "torch": ("2.13.0",),
+    "megatron-core": ("0.16.1",),
+    "sglang": ("0.5.23",),
+    "transformer-engine": ("2.20.2",),
+}
+"""Distribution -> versions the test suite ran against (torch without its +cpu/+cuXXX tag).
+torch 2.13.0 and TE 2.20.2 are the CPU tier's (TE: its Python recipe sources); the GPU image's
+torch and TE come from its base image and were not run here."""
+REQUIRED = ("torch", "megatron-core")
+"""Distributions every entry point needs; the others are checked when installed."""
+_allowed: frozenset[str] = frozenset()
+
+
+class UntestedVersionError(RuntimeError):
+    """A library is at a version (or has a signature) megatron_fp8rl was not tested against."""
+
+
+def allowed_from_env(env: Mapping[str, str]) -> frozenset[str]:
+    """The distributions `ALLOW_ENV` lets run untested; ValueError naming an unknown one."""
+    names = frozenset(name.strip() for name in env.get(ALLOW_ENV, "").split(",") if name.strip())
+    unknown = sorted(names - set(TESTED_VERSIONS) - {"all"})
+    if unknown:
+        raise ValueError(f"{ALLOW_ENV}: unknown distributions {unknown}; known: "
+                         f"{', '.join(TESTED_VERSIONS)} or all")
+    return names
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of `dist` (local tag such as +cpu dropped), None when absent."""
+    try:
+        return metadata.version(dist).split("+")[0]
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def require(dist: str) -> str:
+    """`dist`'s installed version; UntestedVersionError unless tested or allowed."""
+    version = installed_version(dist)
+    if version is None:
+        raise UntestedVersionError(f"{dist} is not installed (tested: {', '.join(TESTED_VERSIONS[dist])})")
+    if version not in TESTED_VERSIONS[dist] and not {dist, "all"} & _allowed:
+        raise UntestedVersionError(
+            f"{dist} {version} is installed, but megatron_fp8rl was tested with {dist} "
+            f"{', '.join(TESTED_VERSIONS[dist])} only (megatron_fp8rl/compat/versions.py). Install a "
+            f"tested version, or set {ALLOW_ENV}={dist} to run anyway at your own risk.")
+    return version
+
+
+def check_versions(allow: Collection[str] = ()) -> dict[str, str]:
+    """Check every pinned library that is installed (REQUIRED ones must be); `allow` names
+    distributions allowed at untested versions (remembered for `require`). Returns the versions."""
+    global _allowed
+    _allowed = frozenset(allow)
+    return {dist: require(dist) for dist in TESTED_VERSIONS
+            if dist in REQUIRED or installed_version(dist) is not None}
+
+
+def gate(env: Mapping[str, str]) -> dict[str, str]:
+    """What an entry point calls first: `check_versions` with the override `env` (its process
+    environment) sets through ALLOW_ENV."""
+    return check_versions(allowed_from_env(env))
+
+
+def check_signature(ours: Callable, theirs: Callable, what: str, skip_first: bool = True) -> None:
+    """UntestedVersionError unless `ours` takes the parameters `theirs` takes (names, kinds and
+    defaults; with `skip_first` the first of `ours`, self, is not compared)."""
+    mine = list(inspect.signature(ours).parameters.values())[1 if skip_first else 0:]
+    upstream = list(inspect.signature(theirs).parameters.values())
+    describe = lambda params: [(p.name, p.kind.name, p.default) for p in params]  # noqa: E731
+    if describe(mine) != describe(upstream):
+        raise UntestedVersionError(
+            f"{what}: the library's signature changed; ours {inspect.signature(ours)}, theirs "
+            f"{inspect.signature(theirs)}. Re-check the override before widening TESTED_VERSIONS.")
