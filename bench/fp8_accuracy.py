@@ -31,7 +31,6 @@ from megatron_fp8rl.data.arithmetic import arithmetic_records  # noqa: E402
 from megatron_fp8rl.data.rewards import last_number_reward  # noqa: E402
 from megatron_fp8rl.fp8.formats import E4M3  # noqa: E402
 from megatron_fp8rl.fp8.quantize import (  # noqa: E402
-    dequantize_blockwise,
     finite_amax,
     quantize,
     quantize_blockwise,
@@ -53,7 +52,7 @@ def per_row(x: torch.Tensor) -> torch.Tensor:
 
 def per_block(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    return dequantize_blockwise(quantize_blockwise(flat, E4M3, block)).reshape(x.shape)
+    return quantize_blockwise(flat, E4M3, block).dequantize().reshape(x.shape)
 
 
 WEIGHTS = {"tensor": per_tensor, "channel": per_row, "block": lambda w: per_block(w, (128, 128))}

@@ -94,3 +94,22 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[dict[str, 
     batch = pad_rows(batch, micro_batch_size)
     return [batch.select(slice(i, i + micro_batch_size)).as_dict()
             for i in range(0, batch.size, micro_batch_size)]
+
+
+def split_mini_batches(batch: RolloutBatch, old_logprobs: torch.Tensor | None, mini_batches: int,
+                       multiple: int) -> list[tuple[RolloutBatch, torch.Tensor | None]]:
+    """The batch's real rows in up to `mini_batches` contiguous chunks (fewer when there are fewer
+    rows), each padded with all-masked rows to a multiple of `multiple` (DP size x micro-batch
+    size), with the matching rows of `old_logprobs` [B, S] (zeros on padding) when given.
+    Padding each chunk, not the whole batch, keeps padding out of whole mini-batches: with 8 rows,
+    2 mini-batches and micro-batches of 8, padding the batch to 16 first left the second
+    optimizer step nothing but padding."""
+    minis = []
+    for rows in torch.arange(batch.size).chunk(mini_batches):
+        mini = pad_rows(batch.select(rows), multiple)
+        old = None
+        if old_logprobs is not None:
+            old = torch.zeros(mini.size, old_logprobs.shape[1], dtype=old_logprobs.dtype)
+            old[:rows.numel()] = old_logprobs[rows]
+        minis.append((mini, old))
+    return minis

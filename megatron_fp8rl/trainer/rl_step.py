@@ -23,7 +23,7 @@ from megatron_fp8rl.rl.sampling import select_informative_groups, shape_overlong
 from megatron_fp8rl.rollout.engine import RolloutEngine, RolloutSample, SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
-from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch, micro_batches, pad_rows
+from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch, micro_batches, split_mini_batches
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.objective import loss_denominator, make_loss_fn, noise_levels, step_noise_floor
 from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT, rollout_tensors, served_scales
@@ -144,17 +144,10 @@ def _make_batch(cfg: RunConfig, samples: list[RolloutSample], rewards: torch.Ten
     return build_batch(samples, advantages.flatten(), length)
 
 
-def _layout_rows(ctx: StepContext, batch: RolloutBatch) -> RolloutBatch:
-    """Pad so every mini-batch splits evenly over DP ranks and micro-batches."""
-    multiple = (ctx.cfg.train.mini_batches * parallel_state.get_data_parallel_world_size()
-                * ctx.cfg.train.micro_batch_size)
-    return pad_rows(batch, multiple)
-
-
 def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
-    """log π_old of every position, [B_padded, S], recomputed by the trainer before the update
-    (real values on the last pipeline stage, zeros elsewhere, where the loss is not computed)."""
-    batch = _layout_rows(ctx, batch)
+    """log π_old of every position, [B, S] (or more rows: micro-batch padding), recomputed by the
+    trainer before the update (real values on the last pipeline stage, zeros elsewhere, where the
+    loss is not computed)."""
     micro = micro_batches(batch, ctx.cfg.train.micro_batch_size)
     scales = _served_scales(ctx)
     if scales is not None:  # recompute with exactly the FP8 scales the rollout engine served
@@ -184,19 +177,20 @@ def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | N
     Calibrated Clipping: the bounds in force clip every mini-batch; a calibrating step also runs
     the shadow forwards on mini-batch m* and recalibrates (trainer/clip_calibration.py)."""
     cfg, calibrator = ctx.cfg, ctx.clip_calibrator
-    batch = _layout_rows(ctx, batch)
     dp_size = parallel_state.get_data_parallel_world_size()
+    if old_logprobs is not None:
+        old_logprobs = old_logprobs[:batch.size]  # the recompute ran on the padded layout
     noise = None if old_logprobs is None else step_noise_floor(cfg, batch, old_logprobs)
-    minis = torch.arange(batch.size).chunk(cfg.train.mini_batches)
+    minis = split_mini_batches(batch, old_logprobs, cfg.train.mini_batches, dp_size * cfg.train.micro_batch_size)
     target = calibrator.batch_index(len(minis)) if calibrator is not None and calibrator.due(step) else None
     if target is not None:
-        shadow_old = ctx.actor.shadow_logprobs(_local_micro(ctx, batch, minis[target], old_logprobs))
+        shadow_old = ctx.actor.shadow_logprobs(_local_micro(ctx, *minis[target]))
     results, captured = [], []
-    for index, mini_rows in enumerate(minis):
-        micro = _local_micro(ctx, batch, mini_rows, old_logprobs)
+    for index, (mini, mini_old) in enumerate(minis):
+        micro = _local_micro(ctx, mini, mini_old)
         if index == target:
             shadow = shadow_old if index == 0 else ctx.actor.shadow_logprobs(micro)
-        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, batch.select(mini_rows), dp_size), noise,
+        loss_fn = make_loss_fn(cfg, loss_denominator(cfg, mini, dp_size), noise,
                                at_old_policy=index == 0, clip_bounds=calibrator and calibrator.calibrated,
                                capture=captured if index == target else None)
         results.append(ctx.actor.train(micro, loss_fn, _served_scales(ctx) if index == 0 else None))
@@ -210,11 +204,12 @@ def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | N
     return metrics
 
 
-def _local_micro(ctx: StepContext, batch: RolloutBatch, mini_rows: torch.Tensor,
+def _local_micro(ctx: StepContext, mini: RolloutBatch,
                  old_logprobs: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
-    """This rank's DP slice of one mini-batch as micro-batches (with `old_logprobs` when given)."""
-    mine = mini_rows.chunk(parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
-    micro = micro_batches(batch.select(mine), ctx.cfg.train.micro_batch_size)
+    """This rank's DP slice of one (padded) mini-batch as micro-batches (with `old_logprobs`)."""
+    rows = torch.arange(mini.size).chunk(parallel_state.get_data_parallel_world_size())
+    mine = rows[parallel_state.get_data_parallel_rank()]
+    micro = micro_batches(mini.select(mine), ctx.cfg.train.micro_batch_size)
     if old_logprobs is not None:
         for mb, old in zip(micro, old_logprobs[mine].split(ctx.cfg.train.micro_batch_size)):
             mb["old_logprobs"] = old

@@ -2,7 +2,7 @@
 import torch
 
 from megatron_fp8rl.rollout.engine import RolloutSample
-from megatron_fp8rl.trainer.batch import build_batch, pad_rows, prompt_lengths
+from megatron_fp8rl.trainer.batch import build_batch, pad_rows, prompt_lengths, split_mini_batches
 
 
 def _sample(prompt, response):
@@ -15,3 +15,19 @@ def test_prompt_lengths_are_read_back_from_the_response_mask():
     batch = pad_rows(build_batch(samples, torch.ones(3), length=8), 4)
     assert batch.response_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]  # predicts tokens 3 and 4
     assert prompt_lengths(batch.response_mask) == [3, 1, 8, 8]  # no response / filler row: all prompt
+
+
+def test_every_mini_batch_gets_real_rows_and_its_own_padding():
+    """8 real rows, 2 mini-batches, DP x micro multiple 8: 4 real rows + 4 padding rows each (padding
+    the whole batch to 16 first gave the second optimizer step padding only); old logprobs follow
+    their rows, zeros on padding; fewer rows than mini-batches give fewer mini-batches."""
+    samples = [_sample([1, 2], [3 + i, 4]) for i in range(8)]
+    batch = build_batch(samples, torch.arange(8.0), length=4)
+    old = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
+    minis = split_mini_batches(batch, old, mini_batches=2, multiple=8)
+    assert [m.size for m, _ in minis] == [8, 8]
+    for index, (mini, mini_old) in enumerate(minis):
+        assert mini.response_mask[:4].sum() == 8 and mini.response_mask[4:].sum() == 0
+        assert torch.equal(mini.tokens[:4], batch.tokens[4 * index:4 * index + 4])
+        assert torch.equal(mini_old[:4], old[4 * index:4 * index + 4]) and not mini_old[4:].any()
+    assert len(split_mini_batches(batch.select(slice(0, 1)), None, mini_batches=2, multiple=8)) == 1
