@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_fp8rl.compat import megatron_cpu
+from megatron_fp8rl.compat import megatron_cpu, safe_dcp
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -101,12 +101,14 @@ def init_distributed(
 
     Works under torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) and as a single
     plain process (a one-rank group on 127.0.0.1). Uses NCCL when CUDA is available and gloo
-    otherwise, in which case the megatron-core CPU compatibility layer is enabled first.
+    otherwise, in which case the megatron-core CPU compatibility layer is enabled first. Checkpoint
+    loads in this process unpickle nothing but checkpoint metadata (compat/safe_dcp.py).
     """
     env = os.environ if env is None else env
     rank, world_size, local_rank = read_torchrun_env(env)
     data_parallel = check_layout(world_size, tensor_parallel, pipeline_parallel)
     megatron_cpu.enable()
+    safe_dcp.install()
     if torch.cuda.is_available():
         backend, device = "nccl", torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -6,5 +6,6 @@ Owns:
 - `megatron_fp8_linear`: Megatron local-spec linears computing through our FP8 linear.
 - `te_recipe`: our FP8 recipe as a Transformer Engine `DelayedScaling` subclass (TE imported lazily).
 - `sglang_cpu`: SGLang's CUDA-only imports on CPU.
+- `safe_dcp`: torch.distributed.checkpoint loads that unpickle only checkpoint metadata classes.
 Must not import: anything above layer L1 (models, convert, rollout, data, trainer, cli).
 """

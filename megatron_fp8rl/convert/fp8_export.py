@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 import torch
 from tqdm import tqdm
 
+from megatron_fp8rl.convert.integrity import verify_manifest
 from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER
 from megatron_fp8rl.convert.megatron_to_hf import (
     hf_dtype,
@@ -184,6 +185,7 @@ def hf_source(hf_dir: Path) -> list[TensorGroup]:
 def megatron_source(megatron_dir: Path, hf: dict, dtype: torch.dtype | None,
                     key_prefix: str = "") -> list[TensorGroup]:
     """The HF tensors of a torch_dist checkpoint, one Megatron layer slice per group."""
+    verify_manifest(megatron_dir)
     units = plan_megatron_to_hf(hf, read_tensor_metadata(megatron_dir, key_prefix))
 
     def loader(unit):

@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from tqdm import tqdm
 
+from megatron_fp8rl.convert.integrity import write_manifest
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint, copy_bytes
 from megatron_fp8rl.convert.tables import (
@@ -398,4 +399,5 @@ def convert_hf_to_megatron(
     with atomic_output(output_dir, overwrite) as tmp:
         write_megatron_checkpoint(plan, checkpoint, tmp, progress, threads)
         copy_hf_side_files(hf_dir, tmp / HF_SIDE_FOLDER)
+        write_manifest(tmp)
     return plan

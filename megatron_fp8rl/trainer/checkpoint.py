@@ -5,13 +5,15 @@ rank's RNG states, and the trainer's own state (step, data position, weight vers
 keep-last-K pruning. Must not import: cli.
 
 Layout of `root`:
-    step_00000012/          a complete checkpoint (dist_checkpointing files + trainer_state.json)
+    step_00000012/          a complete checkpoint (dist_checkpointing files + trainer_state.json
+                            + checksums.sha256, verified at load)
     latest                  text file naming the newest complete checkpoint
     .tmp-step_00000014/     a save in progress or interrupted; ignored and removed later
 A checkpoint becomes visible only by the rename of its finished temporary directory, so a crash
 mid-save leaves the previous checkpoint as the latest. Our own files hold no pickles: RNG states
-are stored as tensors, trainer state as JSON. (Megatron's format itself keeps small metadata
-files that torch/DCP read back; load checkpoints you wrote, not untrusted ones.)
+are stored as tensors, trainer state as JSON. Megatron's format pickles its metadata and small
+objects; the process loads those through restricted loaders (compat/safe_dcp.py, installed by
+launch.init_distributed), so a crafted checkpoint fails to load instead of running code.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_fp8rl.compat.megatron_optim import ensure_optimizer_state, restore_adam_step
+from megatron_fp8rl.convert.integrity import verify_torch_dist, write_manifest
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
@@ -139,6 +142,7 @@ def save_checkpoint(cfg: CheckpointConfig, step: int, model, optimizer,
     if dist.get_rank() == 0:
         state = dict(trainer_state, step=step, optimizer_sharding=cfg.optimizer_sharding)
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -178,6 +182,7 @@ def load_checkpoint(path: str | Path, model, optimizer) -> dict[str, Any]:
     state_file = path / TRAINER_STATE
     if not state_file.is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
+    verify_torch_dist(path)
     trainer_state = json.loads(state_file.read_text())
     ensure_optimizer_state(optimizer)
     sharded = _sharded_state(model, optimizer, trainer_state["optimizer_sharding"], True)

@@ -16,6 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from megatron_fp8rl.config.loader import save_config
+from megatron_fp8rl.convert.integrity import write_manifest
 from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
 from megatron_fp8rl.data.arithmetic import arithmetic_records
 from megatron_fp8rl.data.records import DatasetError, PromptRecord, load_prompt_file, prompt_token_ids
@@ -247,6 +248,7 @@ def _export_hf(ctx: StepContext, rank: int) -> str:
     final = ctx.actor.save_weights(Path(ctx.cfg.run_dir) / "final_megatron")
     output = Path(ctx.cfg.run_dir) / "hf"
     if rank == 0:
+        write_manifest(final)
         convert_megatron_to_hf(final, output, hf_config_dir=Path(ctx.cfg.model.hf_path),
                                overwrite=True, progress=False)
     dist.barrier()
