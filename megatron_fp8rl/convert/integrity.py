@@ -7,11 +7,13 @@ manifest (written by older versions or by Megatron-LM) loads with a warning nami
 A manifest guards against damage, not against an attacker, who can rewrite it too: pickles in a
 checkpoint are loaded restricted for that (compat/safe_dcp.py). `verify_torch_dist(folder)` runs
 both checks before a torch_dist folder is handed to Megatron-Core, whose own errors would bury ours.
+`hf_fingerprint(folder)`: a cheap content fingerprint of an HF checkpoint (what a run was made from).
 Must not import: models, rollout, data, trainer, cli.
 """
 from __future__ import annotations
 
 import hashlib
+import struct
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_fp8rl.compat import safe_dcp
+from megatron_fp8rl.convert.outputs import HF_SIDE_FILES
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 
 MANIFEST = "checksums.sha256"
@@ -87,3 +90,31 @@ def verify_torch_dist(folder: Path) -> None:
         raise CheckpointError(f"{folder} is not a torch_dist checkpoint (no .metadata file)")
     safe_dcp.install()
     FileSystemReader(str(folder)).read_metadata()
+
+
+def _sampled_sha256(path: Path, blocks: int = 16, block: int = 1 << 16) -> str:
+    """SHA-256 of a safetensors header (names, dtypes, shapes, offsets) and of `blocks` evenly
+    spaced `block`-byte samples of the file: any fine-tune changes the sampled weights."""
+    digest, size = hashlib.sha256(), path.stat().st_size
+    with open(path, "rb") as stream:
+        if path.suffix == ".safetensors":
+            (length,) = struct.unpack("<Q", stream.read(8))
+            digest.update(stream.read(min(length, 100 * 2**20)))
+        for index in range(blocks):
+            stream.seek(index * max(size - block, 0) // max(blocks - 1, 1))
+            digest.update(stream.read(block))
+    return f"{size}:{digest.hexdigest()}"
+
+
+def hf_fingerprint(folder: Path) -> dict[str, str]:
+    """file name -> digest for an HF checkpoint folder, reading about a megabyte per weight file:
+    the config and tokenizer files hashed whole, each weight file (.safetensors, .bin, .gguf, ...)
+    by size, header and sampled contents (_sampled_sha256)."""
+    folder, prints = Path(folder), {}
+    for name in HF_SIDE_FILES:
+        if (folder / name).is_file():
+            prints[name] = _sha256(folder / name)
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth"):
+            prints[path.name] = _sampled_sha256(path)
+    return prints

@@ -40,7 +40,8 @@ from megatron_fp8rl.trainer.megatron_step import (
 
 def convert_initial_checkpoint(hf_path: Path, output: Path) -> Path:
     """HF folder -> torch_dist at `output`, once (rank 0, in a one-process subprocess: the
-    converter needs Megatron at TP=1/PP=1). Reused when `output` already exists."""
+    converter needs Megatron at TP=1/PP=1). Reused when `output` already exists: the caller has
+    checked that it was converted from the same checkpoint (trainer/run_dir.py)."""
     if output.exists():
         return output
     env = torchrun_free_env()

@@ -262,6 +262,8 @@ class TrainConfig:
     """Seed for model init, data order and sampling."""
     eval_every: int = 5
     """Greedy eval every N steps (and before the first and after the last); 0: never."""
+    resume_changed_config: bool = False
+    """Continue a run_dir made with a different config (same model); refused otherwise."""
 
     def __post_init__(self):
         _check(self.steps >= 1, "train.steps", "must be >= 1")

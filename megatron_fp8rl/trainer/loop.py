@@ -29,6 +29,7 @@ from megatron_fp8rl.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.rl_step import StepContext, rl_step, sync_weights
+from megatron_fp8rl.trainer.run_dir import check_run_dir, claim_run_dir
 
 
 def load_records(spec: str, split: str, size: int, cfg: RunConfig) -> list[PromptRecord]:
@@ -157,8 +158,10 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     train_records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
     eval_records = load_records(cfg.data.eval, "eval", cfg.data.eval_size, cfg)[:cfg.data.eval_size]
+    provenance = check_run_dir(cfg)
+    dist.barrier()
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(run_dir, provenance)
         save_config(cfg, run_dir / "config.yaml")
         convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     dist.barrier()
