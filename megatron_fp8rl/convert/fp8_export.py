@@ -216,9 +216,9 @@ def export_fp8(source_dir: Path, output_dir: Path, options: Fp8ExportOptions,
                key_prefix: str = "", progress: bool = True) -> dict[str, str]:
     """Export an HF folder (`source='hf'`) or a torch_dist checkpoint (`source='megatron'`)."""
     source_dir, output_dir = Path(source_dir), Path(output_dir)
-    check_output(output_dir, overwrite)
     side = Path(hf_config_dir) if hf_config_dir else (
         source_dir if source == "hf" else source_dir / HF_SIDE_FOLDER)
+    check_output(output_dir, overwrite, inputs=(source_dir, side))
     if not (side / "config.json").is_file():
         raise CheckpointError(f"no HF config.json in {side}; pass the HF config folder")
     hf = json.loads((side / "config.json").read_text())

@@ -392,7 +392,7 @@ def convert_hf_to_megatron(
     process; the output appears atomically (nothing at `output_dir` if interrupted).
     """
     hf_dir, output_dir = Path(hf_dir), Path(output_dir)
-    check_output(output_dir, overwrite)
+    check_output(output_dir, overwrite, inputs=(hf_dir,))
     hf_config = json.loads((hf_dir / "config.json").read_text())
     checkpoint = HFCheckpoint(hf_dir)
     plan = plan_hf_to_megatron(sharded_state_dict, hf_config, checkpoint, dtype)

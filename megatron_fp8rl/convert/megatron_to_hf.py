@@ -215,8 +215,8 @@ def convert_megatron_to_hf(
     in the checkpoint (e.g. "model." in a training checkpoint).
     """
     megatron_dir, output_dir = Path(megatron_dir), Path(output_dir)
-    check_output(output_dir, overwrite)
     side = Path(hf_config_dir) if hf_config_dir is not None else megatron_dir / HF_SIDE_FOLDER
+    check_output(output_dir, overwrite, inputs=(megatron_dir, side))
     if not (side / "config.json").is_file():
         raise CheckpointError(f"no HF config.json in {side}; pass the HF config folder")
     hf = json.loads((side / "config.json").read_text())

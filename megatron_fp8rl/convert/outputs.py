@@ -1,7 +1,8 @@
 """Output folders that appear whole or not at all, and the HF files that travel beside weights.
 
 Owns: `atomic_output` (write into a hidden temporary sibling, rename at the end; an existing
-output is refused unless overwrite), `copy_hf_side_files` (config, generation config, tokenizer).
+output is refused unless overwrite; an output that is, contains or lies inside an input is refused
+always, since replacing it would destroy the input), `copy_hf_side_files` (config, generation config, tokenizer).
 Must not import: models, rollout, data, trainer, cli.
 """
 from __future__ import annotations
@@ -24,8 +25,19 @@ class OutputExistsError(FileExistsError):
     """The output path exists and overwriting was not requested."""
 
 
-def check_output(path: Path, overwrite: bool) -> None:
-    """Refuse an existing output path unless `overwrite` (call before any long work)."""
+class OutputOverlapsInputError(ValueError):
+    """The output path is an input, or one contains the other."""
+
+
+def check_output(path: Path, overwrite: bool, inputs: tuple[Path | None, ...] = ()) -> None:
+    """Refuse an existing output path unless `overwrite`, and an output that is, contains or lies
+    inside one of `inputs` (call before any long work)."""
+    output = Path(path).resolve()
+    for source in (Path(i).resolve() for i in inputs if i is not None):
+        if output == source or output in source.parents or source in output.parents:
+            raise OutputOverlapsInputError(
+                f"output {path} overlaps the input {source}: writing it would destroy the input; "
+                "choose an output outside the input folder")
     if Path(path).exists() and not overwrite:
         raise OutputExistsError(f"output {path} already exists; pass --overwrite to replace it")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tqdm import tqdm
 from megatron_fp8rl.config.loader import save_config
 from megatron_fp8rl.convert.integrity import write_manifest
 from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
+from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.data.arithmetic import arithmetic_records
 from megatron_fp8rl.data.records import DatasetError, PromptRecord, load_prompt_file, prompt_token_ids
 from megatron_fp8rl.data.rewards import load_reward_fn, score
@@ -25,7 +27,7 @@ from megatron_fp8rl.data.sampler import PromptSampler
 from megatron_fp8rl.rl.metrics import paired_eval_change
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
-from megatron_fp8rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_fp8rl.trainer.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.rl_step import StepContext, rl_step, sync_weights
@@ -211,7 +213,7 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
         bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
                          ("reward/mean", "eval/accuracy", "time/rollout_s", "time/train_s") if k in metrics})
         summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.steps:
             save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
                             {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start}})
     summary["seconds"] = time.perf_counter() - begin
@@ -223,14 +225,27 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
 
 
 def _resume(ctx: StepContext, sampler: PromptSampler) -> tuple[int, dict[str, float]]:
-    """Continue from the newest complete checkpoint, if any: weights, optimizer, RNG, data
+    """Continue from the newest intact checkpoint, if any (newer damaged ones are skipped, each
+    named with its problem on stderr; all damaged is an error): weights, optimizer, RNG, data
     position; the rollout engine gets the restored weights as version `step` (what the
     uninterrupted run's engine held). Rollout sampling needs no saved state (SeededRollouts).
     Returns the step to continue after and the summary so far."""
-    path = latest_checkpoint(ctx.cfg.checkpoint.dir)
+    choice: list = [(None, None)]
+    if dist.get_rank() == 0:  # one rank reads and hashes the files; the others follow its choice
+        try:
+            path, skipped = newest_intact_checkpoint(ctx.cfg.checkpoint.dir)
+            choice = [(path, None)]
+        except CheckpointError as exc:
+            skipped, choice = [], [(None, str(exc))]
+        for line in skipped:
+            print(f"resume: skipping damaged checkpoint {line}", file=sys.stderr, flush=True)
+    dist.broadcast_object_list(choice, src=0)
+    path, error = choice[0]
+    if error is not None:
+        raise CheckpointError(error)
     if path is None:
         return 0, {}
-    state = load_checkpoint(path, ctx.actor.model, ctx.actor.optimizer)
+    state = load_checkpoint(path, ctx.actor.model, ctx.actor.optimizer, verify=False)
     sampler.load_state_dict(state["sampler"])
     sync_weights(ctx, version=state["step"])
     return int(state["step"]), dict(state.get("summary", {}))
