@@ -251,12 +251,19 @@ def _resume(ctx: StepContext, sampler: PromptSampler) -> tuple[int, dict[str, fl
     return int(state["step"]), dict(state.get("summary", {}))
 
 
-def _log(writer, metrics: dict[str, float], step: int) -> None:
+def _log(writer, metrics: dict[str, float | str], step: int) -> None:
+    """Numbers as tensorboard scalars; text (a reward's first error) as tensorboard text and on
+    the console, with the step's failure counts."""
     if writer is None:
         return
     for name, value in metrics.items():
         if isinstance(value, (int, float)) and value == value:
             writer.add_scalar(name, value, step)
+        elif isinstance(value, str):
+            writer.add_text(name, value, step)
+            counts = ", ".join(f"{k.split('/')[-1]} {metrics[k]:g}" for k in
+                               ("reward/errors", "reward/timeouts", "reward/invalid") if metrics.get(k))
+            tqdm.write(f"step {step}: {name}: {value} ({counts})", file=sys.stderr)
     writer.flush()
 
 
