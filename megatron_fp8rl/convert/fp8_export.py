@@ -24,8 +24,8 @@ from typing import Callable, Iterable
 import torch
 from tqdm import tqdm
 
-from megatron_fp8rl.convert.integrity import verify_manifest
 from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER
+from megatron_fp8rl.convert.integrity import verify_manifest
 from megatron_fp8rl.convert.megatron_to_hf import (
     hf_dtype,
     plan_megatron_to_hf,
@@ -35,6 +35,7 @@ from megatron_fp8rl.convert.megatron_to_hf import (
 )
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint, SafetensorsWriter
+from megatron_fp8rl.convert.tables import table_for
 from megatron_fp8rl.fp8.formats import get_format
 from megatron_fp8rl.fp8.quantize import (
     WEIGHT_BLOCK,
@@ -222,6 +223,7 @@ def export_fp8(source_dir: Path, output_dir: Path, options: Fp8ExportOptions,
     if not (side / "config.json").is_file():
         raise CheckpointError(f"no HF config.json in {side}; pass the HF config folder")
     hf = json.loads((side / "config.json").read_text())
+    table_for(hf)  # a family without a table (Mixtral, GPT-2, ...) is refused by name
     if source == "hf":
         groups = hf_source(source_dir)
     elif source == "megatron":

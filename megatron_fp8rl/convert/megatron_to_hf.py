@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from megatron_fp8rl.compat import safe_dcp
 
-from megatron_fp8rl.convert.integrity import verify_manifest
 from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER, unwrap_dcp_errors
+from megatron_fp8rl.convert.integrity import verify_manifest
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import INDEX_FILE, CheckpointError, SafetensorsWriter
 from megatron_fp8rl.convert.tables import LAYER_PREFIX, AttentionShape, Rule, row_pieces, table_for
