@@ -70,11 +70,15 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_fp8rl.launch import init_distributed, shutdown_distributed
     from megatron_fp8rl.trainer.config import RunConfig
     from megatron_fp8rl.trainer.loop import train
+    from megatron_fp8rl.trainer.stop import StopRequested
 
     cfg = load_config(RunConfig, args.config, args.overrides)
     layout = init_distributed(cfg.model.tensor_parallel, cfg.model.pipeline_parallel, seed=cfg.train.seed)
     try:
         summary = train(cfg, layout.rank)
+    except StopRequested as stopped:
+        print(f"megatron-fp8rl train: {stopped}", file=sys.stderr)
+        return 128 + stopped.signum
     finally:
         shutdown_distributed()
     if layout.rank == 0:

@@ -1,7 +1,8 @@
 """`megatron-fp8rl train`: the run from an HF checkpoint to an RL-trained HF checkpoint.
 
 Owns: wiring (config -> data, actor, rollout engine), the step loop with greedy evaluation,
-tensorboard logging, checkpoints/resume, and the final HF export. The step itself is
+tensorboard logging, checkpoints/resume, stopping when told (trainer/stop.py), and the final HF
+export. The step itself is
 rl_step.rl_step. Must not import: cli.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.rl_step import StepContext, rl_step, sync_weights
 from megatron_fp8rl.trainer.run_dir import check_run_dir, claim_run_dir
+from megatron_fp8rl.trainer.stop import StopRequested, StopSignals
 
 
 def load_records(spec: str, split: str, size: int, cfg: RunConfig) -> list[PromptRecord]:
@@ -175,13 +177,15 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       sync_dir=run_dir / "sync")
     try:
-        return _loop(ctx, tokenizer, train_records, eval_records, rank)
+        with StopSignals() as stops:  # after the engine start: SGLang's handler ignores SIGTERM
+            return _loop(ctx, tokenizer, train_records, eval_records, rank, stops)
     finally:
         if ctx.engine is not None:
             ctx.engine.shutdown()
 
 
-def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -> dict[str, float]:
+def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int,
+          stops: StopSignals) -> dict[str, float]:
     cfg = ctx.cfg
     sampler = PromptSampler(train_records, cfg.data.prompts_per_step, seed=cfg.train.seed)
     start, resumed = _resume(ctx, sampler)
@@ -213,9 +217,12 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
         bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
                          ("reward/mean", "eval/accuracy", "time/rollout_s", "time/train_s") if k in metrics})
         summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
-        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.steps:
-            save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
-                            {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start}})
+        stop = stops.agreed()
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.steps or stop:
+            saved = save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
+                                    {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start}})
+        if stop is not None:
+            raise StopRequested(stop, step, saved)
     summary["seconds"] = time.perf_counter() - begin
     summary["hf_output"] = _export_hf(ctx, rank)
     if writer is not None:
