@@ -2,7 +2,8 @@
 
 Owns: `atomic_output` (write into a hidden temporary sibling, rename at the end; an existing
 output is refused unless overwrite; an output that is, contains or lies inside an input is refused
-always, since replacing it would destroy the input), `copy_hf_side_files` (config, generation config, tokenizer).
+always, since replacing it would destroy the input; temporaries left by a killed writer are removed
+at the next write of the same output), `copy_hf_side_files` (config, generation config, tokenizer).
 Must not import: models, rollout, data, trainer, cli.
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
     path = Path(path)
     check_output(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(path)
     tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -67,6 +69,28 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     else:
         tmp.rename(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_partials(path: Path) -> list[Path]:
+    """Remove the temporary siblings of `path` (`.<name>.partial-<pid>`, `.<name>.old-<pid>`) that
+    a killed writer left behind: those whose process no longer exists. Returns what was removed."""
+    path, removed = Path(path), []
+    for stale in path.parent.glob(f".{path.name}.*-*"):
+        kind, _, pid = stale.name[len(path.name) + 2:].rpartition("-")
+        if kind in ("partial", "old") and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            removed.append(stale)
+    return removed
 
 
 def copy_hf_side_files(source: Path, destination: Path) -> list[str]:

@@ -2,6 +2,7 @@
 leaves partial output: unknown architectures, missing/unexpected/mis-shaped tensors in either
 direction, corrupt safetensors, existing outputs, interrupted runs. In process, one rank."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -190,3 +191,19 @@ def test_not_a_megatron_checkpoint(qwen2, tmp_path):
     hf_dir, _, _ = qwen2
     with pytest.raises(CheckpointError, match="not a torch_dist checkpoint"):
         convert_megatron_to_hf(hf_dir, tmp_path / "out", hf_config_dir=hf_dir, progress=False)
+
+
+def test_stale_partials_of_killed_writers_are_removed_at_the_next_start(qwen2, tmp_path):
+    """kill -9 mid-conversion leaves `.out.partial-<pid>`; the next conversion of `out` removes it
+    (and only temporaries of processes that no longer exist)."""
+    import subprocess
+
+    hf_dir, target, _ = qwen2
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".out.partial-{dead.pid}"
+    (stale / "sub").mkdir(parents=True)
+    alive = tmp_path / f".out.partial-{os.getppid()}"
+    alive.mkdir()
+    convert_hf_to_megatron(hf_dir, tmp_path / "out", target(), progress=False)
+    assert not stale.exists() and alive.exists() and (tmp_path / "out" / ".metadata").is_file()
