@@ -101,12 +101,13 @@ def _ignores_alarm(response: str, answer: str) -> float:
 def test_a_reward_that_ignores_its_timeout_is_killed():
     import multiprocessing
 
+    before = set(multiprocessing.active_children())
     start = time.perf_counter()
     rewards, stats = score(_ignores_alarm, ["stuck", "fine"], ["1", "1"], timeout_s=0.5, workers=2)
     assert rewards == [0.0, 1.0] and stats.timeouts == 1
     assert "timed out after 0.5 s" in stats.first_error
     assert time.perf_counter() - start < 15
-    assert multiprocessing.active_children() == []  # the stuck worker is gone
+    assert set(multiprocessing.active_children()) <= before  # the stuck worker is gone
 
 
 def test_a_hung_reward_cannot_keep_the_process_alive(tmp_path):
