@@ -99,7 +99,7 @@ def test_a_reward_that_always_raises_stops_the_run_with_its_error(tiny_run_input
         "rollout.n_samples=4", "data.prompts_per_step=2", "rollout.max_new_tokens=6",
         "train.eval_every=0", "algorithm.dynamic_sampling=false", f"run_dir={tmp_path}",
         timeout=900, expect_failure=True)
-    assert ("RewardError: all 8 reward calls failed (8 raised, 0 timed out, 0 invalid); "
+    assert ("error: all 8 reward calls failed (8 raised, 0 timed out, 0 invalid); "
             "first: reward raised RuntimeError: reward exploded") in output
 
 
