@@ -10,6 +10,8 @@ Subcommands:
   report       PNG plots and a markdown report from run directories' tensorboard logs
   stability    the FP8 stability study: one RL job under several precision settings, then report
 Every command first passes the version gate (compat/versions.py; override MEGATRON_FP8RL_ALLOW_UNTESTED).
+A user error (bad config value, missing or damaged input, refused output) prints as one line,
+`error: ...`, exit status 2; `--debug` shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -21,6 +23,28 @@ import warnings
 from pathlib import Path
 
 from megatron_fp8rl.compat import versions
+
+
+USER_ERRORS = (
+    ("megatron_fp8rl.config.loader", "ConfigError"),
+    ("megatron_fp8rl.data.records", "DatasetError"),
+    ("megatron_fp8rl.data.rewards", "RewardError"),
+    ("megatron_fp8rl.convert.safetensors_io", "CheckpointError"),
+    ("megatron_fp8rl.convert.outputs", "OutputExistsError"),
+    ("megatron_fp8rl.convert.outputs", "OutputOverlapsInputError"),
+    ("megatron_fp8rl.compat.safe_dcp", "UnsafeCheckpointError"),
+    ("megatron_fp8rl.models.family", "UnsupportedModelError"),
+    ("megatron_fp8rl.trainer.run_dir", "RunDirError"),
+    ("megatron_fp8rl.launch", "LaunchError"),
+    ("megatron_fp8rl.report.logs", "ReportError"),
+)
+"""(module, class) of errors that mean the input is wrong, not the program. Looked up only in
+modules already imported (an error can only come from a loaded module), so the parser stays light."""
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    types = [getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules]
+    return isinstance(exc, (FileNotFoundError, *types))
 
 
 def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,11 +74,15 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_fp8rl.launch import init_distributed, shutdown_distributed
     from megatron_fp8rl.trainer.config import RunConfig
     from megatron_fp8rl.trainer.loop import train
+    from megatron_fp8rl.trainer.stop import StopRequested
 
     cfg = load_config(RunConfig, args.config, args.overrides)
     layout = init_distributed(cfg.model.tensor_parallel, cfg.model.pipeline_parallel, seed=cfg.train.seed)
     try:
         summary = train(cfg, layout.rank)
+    except StopRequested as stopped:
+        print(f"megatron-fp8rl train: {stopped}", file=sys.stderr)
+        return 128 + stopped.signum
     finally:
         shutdown_distributed()
     if layout.rank == 0:
@@ -116,6 +144,7 @@ def _add_report_commands(commands) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-fp8rl", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train the tiny Megatron GPT on the built-in CPU task")
     _add_layout_arguments(demo)
@@ -149,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_known_library_warnings()
     versions.gate(os.environ)
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as exc:
+        if args.debug or not _is_user_error(exc):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

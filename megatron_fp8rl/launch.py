@@ -16,7 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_fp8rl.compat import megatron_cpu, versions
+from megatron_fp8rl.compat import megatron_cpu, safe_dcp, versions
+from megatron_fp8rl.compat.tcp_store import bound_store
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -102,27 +103,26 @@ def init_distributed(
     First the version gate (compat/versions.py; override: its ALLOW_ENV in `env`). Works under
     torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) and as a single
     plain process (a one-rank group on 127.0.0.1). Uses NCCL when CUDA is available and gloo
-    otherwise, in which case the megatron-core CPU compatibility layer is enabled first.
+    otherwise, in which case the megatron-core CPU compatibility layer is enabled first. Checkpoint
+    loads in this process unpickle nothing but checkpoint metadata (compat/safe_dcp.py).
     """
     env = os.environ if env is None else env
     versions.gate(env)
     rank, world_size, local_rank = read_torchrun_env(env)
     data_parallel = check_layout(world_size, tensor_parallel, pipeline_parallel)
     megatron_cpu.enable()
+    safe_dcp.install()
     if torch.cuda.is_available():
         backend, device = "nccl", torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
     if not dist.is_initialized():
-        init_method = None if "MASTER_ADDR" in env else f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        # a plain process hosts its one-rank rendezvous on loopback only (compat/tcp_store.py)
+        store = None if "MASTER_ADDR" in env else bound_store("127.0.0.1", 0, 1, True, timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
     if not parallel_state.model_parallel_is_initialized():
@@ -154,10 +154,3 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
     megatron_cpu.disable()
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

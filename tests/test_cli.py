@@ -33,3 +33,25 @@ def test_parser_rejects_unknown_command(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["no-such-command"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_help_imports_neither_torch_nor_megatron():
+    """Before: 7-26 s, the parser imported megatron.core."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom megatron_fp8rl.cli import main\n"
+              "for argv in (['--help'], ['train', '--help'], ['export-fp8', '--help'], ['convert', 'megatron-to-hf', '--help']):\n"
+              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+              "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_parser_constants_match_the_converters():
+    from megatron_fp8rl.convert import cli_commands, fp8_export, megatron_to_hf
+
+    assert cli_commands.EXPORT_SCHEMES == fp8_export.SCHEMES
+    assert cli_commands.DEFAULT_SHARD_GB * 2**30 == megatron_to_hf.DEFAULT_SHARD_BYTES

@@ -8,5 +8,7 @@ Owns:
 - `te_recipe`: our FP8 recipe as a Transformer Engine `DelayedScaling` subclass (TE imported lazily),
   and the Megatron TransformerConfig fields / recipe hook of model.fp8_backend=te.
 - `sglang_cpu`: SGLang's CUDA-only imports on CPU.
+- `safe_dcp`: torch.distributed.checkpoint loads that unpickle only checkpoint metadata classes.
+- `tcp_store`: TCPStores that listen on their address only (torch listens on every interface).
 Must not import: anything above layer L1 (models, convert, rollout, data, trainer, cli).
 """

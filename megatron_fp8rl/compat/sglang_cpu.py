@@ -227,12 +227,27 @@ def contain_child_failures(engine, on_failure: Callable[[], None]) -> None:
     handler, and `TokenizerManager`'s running-phase handler installed on the first request). Here
     both are replaced by `on_failure`, which is called from the engine's event loop; it should mark
     the engine dead and stop the loop so the pending call returns.
+    SIGTERM stays the host's: on the first request `TokenizerManager` moves SIGTERM onto its event
+    loop (asyncio's add_signal_handler replaces the host's Python handler) with a handler that only
+    drains requests, so a host told to stop never heard of it. Here that handler does nothing when
+    the host had a handler of its own (the host re-installs it after the first request; see
+    trainer/stop.py), and otherwise restores the default action: terminate.
     """
     manager = engine.tokenizer_manager
 
     class _ContainedSignalHandler(manager.signal_handler_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.host_sigterm = signal.getsignal(signal.SIGTERM)  # before the loop takes SIGTERM over
+
         def running_phase_sigquit_handler(self, signum=None, frame=None):
             on_failure()
+
+        def sigterm_handler(self, signum=None, frame=None):
+            if callable(self.host_sigterm):
+                return
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     manager.signal_handler_class = _ContainedSignalHandler
     signal.signal(signal.SIGQUIT, lambda signum, frame: on_failure())

@@ -14,6 +14,8 @@ import datetime
 
 import torch.distributed as dist
 
+from megatron_fp8rl.compat.tcp_store import bound_store
+
 
 def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int,
                              world_size: int, group_name: str, timeout_s: float = 600.0):
@@ -25,8 +27,9 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
     # The TCPStore SGLang's tcp:// rendezvous makes, built directly: inside a torchrun worker
     # (TORCHELASTIC_USE_AGENT_STORE=True) `rendezvous` would use the elastic agent's store instead
     # of hosting one on master_port, and the server would wait on an empty port forever.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False, multi_tenant=True)
+    # Hosted bound to master_address only (compat/tcp_store.py), not on every interface.
+    store = bound_store(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                        wait_for_workers=False, multi_tenant=True)
     group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend),
                                          PrefixStore(group_name, store), group_name=group_name,
                                          backend_options=None, timeout=timeout, device_id=None)

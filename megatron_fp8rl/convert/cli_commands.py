@@ -18,17 +18,21 @@ import json
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds, load_bounds
-from megatron_fp8rl.convert.fp8_export import SCHEMES, Fp8ExportOptions, export_fp8
-from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
-from megatron_fp8rl.convert.megatron_to_hf import DEFAULT_SHARD_BYTES, convert_megatron_to_hf
-
-MetaModelBuilder = Callable[[dict, int, int], torch.nn.Module]
+MetaModelBuilder = Callable[[dict, int, int], "torch.nn.Module"]
 """(HF config dict, target TP, target PP) -> GPTModel on the meta device at TP=1/PP=1."""
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+EXPORT_SCHEMES = ("block", "tensor")
+"""fp8_export.SCHEMES, repeated here so that building the parser imports neither torch nor
+megatron (`--help` in well under a second; tests/test_cli.py checks both agree)."""
+DEFAULT_SHARD_GB = 5.0
+"""megatron_to_hf.DEFAULT_SHARD_BYTES in GiB (checked alike)."""
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return getattr(torch, name) if name else None
 
 
 def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,14 +56,14 @@ def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the hf/ folder stored in the checkpoint)")
     parser.add_argument("--key-prefix", default="",
                         help="prefix of the model keys in the checkpoint, e.g. 'model.'")
-    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 2**30,
+    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_GB,
                         help="largest safetensors file, in GiB")
     _add_common(parser)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                         help="stored element type (default: keep the source's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -76,19 +80,23 @@ def add_convert_arguments(subparsers) -> None:
 
 def run_hf_to_megatron(args: argparse.Namespace, build_meta_model: MetaModelBuilder) -> None:
     """Run `convert hf-to-megatron` (the caller has started a one-process group)."""
+    from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
+
     hf_config = json.loads((Path(args.hf_dir) / "config.json").read_text())
     model = build_meta_model(hf_config, args.tensor_parallel, args.pipeline_parallel)
     plan = convert_hf_to_megatron(args.hf_dir, args.output_dir, model.sharded_state_dict(),
-                                  overwrite=args.overwrite, dtype=DTYPES.get(args.dtype),
+                                  overwrite=args.overwrite, dtype=_dtype(args.dtype),
                                   progress=not args.no_progress, threads=args.threads)
     print(f"wrote {len(plan.tasks)} tensor chunks to {args.output_dir}")
 
 
 def run_megatron_to_hf(args: argparse.Namespace) -> None:
     """Run `convert megatron-to-hf` (needs no process group)."""
+    from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
+
     weight_map = convert_megatron_to_hf(
         args.megatron_dir, args.output_dir, hf_config_dir=args.hf_config,
-        overwrite=args.overwrite, dtype=DTYPES.get(args.dtype), key_prefix=args.key_prefix,
+        overwrite=args.overwrite, dtype=_dtype(args.dtype), key_prefix=args.key_prefix,
         max_shard_bytes=int(args.max_shard_gb * 2**30), progress=not args.no_progress)
     print(f"wrote {len(weight_map)} HF tensors to {args.output_dir}")
 
@@ -112,7 +120,7 @@ def add_export_fp8_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-config", type=Path, default=None,
                         help="folder with config.json/tokenizer (default: the source's)")
     parser.add_argument("--key-prefix", default="", help="model key prefix in a Megatron checkpoint")
-    parser.add_argument("--scheme", choices=SCHEMES, default="block",
+    parser.add_argument("--scheme", choices=EXPORT_SCHEMES, default="block",
                         help="block: 128x128 weight_scale_inv; tensor: per-tensor weight_scale")
     parser.add_argument("--activation-scheme", choices=["dynamic", "static"], default="dynamic")
     parser.add_argument("--calibration-prompts", type=Path, default=None,
@@ -128,6 +136,9 @@ def add_export_fp8_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export_fp8(args: argparse.Namespace) -> int:
     """Run `export-fp8` (needs no process group)."""
+    from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds, load_bounds
+    from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
+
     bounds = load_bounds(args.bounds) if args.bounds else {}
     if args.calibration_prompts:
         prompts = [p for p in args.calibration_prompts.read_text().splitlines() if p.strip()]

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER
+from megatron_fp8rl.convert.integrity import verify_manifest
 from megatron_fp8rl.convert.megatron_to_hf import (
     hf_dtype,
     plan_megatron_to_hf,
@@ -34,6 +35,7 @@ from megatron_fp8rl.convert.megatron_to_hf import (
 )
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint, SafetensorsWriter
+from megatron_fp8rl.convert.tables import table_for
 from megatron_fp8rl.fp8.formats import get_format
 from megatron_fp8rl.fp8.quantize import (
     WEIGHT_BLOCK,
@@ -184,6 +186,7 @@ def hf_source(hf_dir: Path) -> list[TensorGroup]:
 def megatron_source(megatron_dir: Path, hf: dict, dtype: torch.dtype | None,
                     key_prefix: str = "") -> list[TensorGroup]:
     """The HF tensors of a torch_dist checkpoint, one Megatron layer slice per group."""
+    verify_manifest(megatron_dir)
     units = plan_megatron_to_hf(hf, read_tensor_metadata(megatron_dir, key_prefix))
 
     def loader(unit):
@@ -214,12 +217,13 @@ def export_fp8(source_dir: Path, output_dir: Path, options: Fp8ExportOptions,
                key_prefix: str = "", progress: bool = True) -> dict[str, str]:
     """Export an HF folder (`source='hf'`) or a torch_dist checkpoint (`source='megatron'`)."""
     source_dir, output_dir = Path(source_dir), Path(output_dir)
-    check_output(output_dir, overwrite)
     side = Path(hf_config_dir) if hf_config_dir else (
         source_dir if source == "hf" else source_dir / HF_SIDE_FOLDER)
+    check_output(output_dir, overwrite, inputs=(source_dir, side))
     if not (side / "config.json").is_file():
         raise CheckpointError(f"no HF config.json in {side}; pass the HF config folder")
     hf = json.loads((side / "config.json").read_text())
+    table_for(hf)  # a family without a table (Mixtral, GPT-2, ...) is refused by name
     if source == "hf":
         groups = hf_source(source_dir)
     elif source == "megatron":

@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from tqdm import tqdm
 
+from megatron_fp8rl.convert.integrity import write_manifest
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint, copy_bytes
 from megatron_fp8rl.convert.tables import (
@@ -391,11 +392,12 @@ def convert_hf_to_megatron(
     process; the output appears atomically (nothing at `output_dir` if interrupted).
     """
     hf_dir, output_dir = Path(hf_dir), Path(output_dir)
-    check_output(output_dir, overwrite)
+    check_output(output_dir, overwrite, inputs=(hf_dir,))
     hf_config = json.loads((hf_dir / "config.json").read_text())
     checkpoint = HFCheckpoint(hf_dir)
     plan = plan_hf_to_megatron(sharded_state_dict, hf_config, checkpoint, dtype)
     with atomic_output(output_dir, overwrite) as tmp:
         write_megatron_checkpoint(plan, checkpoint, tmp, progress, threads)
         copy_hf_side_files(hf_dir, tmp / HF_SIDE_FOLDER)
+        write_manifest(tmp)
     return plan

@@ -22,7 +22,10 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from tqdm import tqdm
 
+from megatron_fp8rl.compat import safe_dcp
+
 from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER, unwrap_dcp_errors
+from megatron_fp8rl.convert.integrity import verify_manifest
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import INDEX_FILE, CheckpointError, SafetensorsWriter
 from megatron_fp8rl.convert.tables import LAYER_PREFIX, AttentionShape, Rule, row_pieces, table_for
@@ -52,14 +55,17 @@ class Unit:
         return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
 
 
+def dcp_reader(directory: Path) -> dcp.FileSystemReader:
+    """A DCP reader of `directory` whose pickled parts load restricted (compat/safe_dcp.py)."""
+    safe_dcp.install()
+    return dcp.FileSystemReader(str(directory))
+
+
 def read_tensor_metadata(directory: Path, key_prefix: str = "") -> dict[str, TensorStorageMetadata]:
     """Tensor key (prefix removed) -> metadata, for keys under `key_prefix`; extra states skipped."""
     if not (Path(directory) / ".metadata").is_file():
         raise CheckpointError(f"{directory} is not a torch_dist checkpoint (no .metadata file)")
-    try:
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
-    except Exception as exc:  # a damaged pickle raises anything from EOFError to UnpicklingError
-        raise CheckpointError(f"corrupt torch_dist metadata in {directory}: {exc!r}") from None
+    metadata = dcp_reader(directory).read_metadata()
     return {
         key[len(key_prefix):]: md
         for key, md in metadata.state_dict_metadata.items()
@@ -124,7 +130,7 @@ def read_unit(directory: Path, unit: Unit, key_prefix: str = "") -> torch.Tensor
     offsets = (unit.layer,) + (0,) * len(unit.shape) if layered else (0,) * len(unit.shape)
     planner = _SliceLoadPlanner(key_prefix + unit.rule.megatron, offsets, target)
     with unwrap_dcp_errors():
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
+        dcp.load({}, storage_reader=dcp_reader(directory), planner=planner,
                  no_dist=True)
     return target[0] if layered else target
 
@@ -209,11 +215,12 @@ def convert_megatron_to_hf(
     in the checkpoint (e.g. "model." in a training checkpoint).
     """
     megatron_dir, output_dir = Path(megatron_dir), Path(output_dir)
-    check_output(output_dir, overwrite)
     side = Path(hf_config_dir) if hf_config_dir is not None else megatron_dir / HF_SIDE_FOLDER
+    check_output(output_dir, overwrite, inputs=(megatron_dir, side))
     if not (side / "config.json").is_file():
         raise CheckpointError(f"no HF config.json in {side}; pass the HF config folder")
     hf = json.loads((side / "config.json").read_text())
+    verify_manifest(megatron_dir)
     units = plan_megatron_to_hf(hf, read_tensor_metadata(megatron_dir, key_prefix))
     with atomic_output(output_dir, overwrite) as tmp:
         weight_map = write_hf_weights(megatron_dir, units, tmp, dtype or hf_dtype(hf), key_prefix,

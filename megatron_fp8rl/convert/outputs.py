@@ -1,7 +1,9 @@
 """Output folders that appear whole or not at all, and the HF files that travel beside weights.
 
 Owns: `atomic_output` (write into a hidden temporary sibling, rename at the end; an existing
-output is refused unless overwrite), `copy_hf_side_files` (config, generation config, tokenizer).
+output is refused unless overwrite; an output that is, contains or lies inside an input is refused
+always, since replacing it would destroy the input; temporaries left by a killed writer are removed
+at the next write of the same output), `copy_hf_side_files` (config, generation config, tokenizer).
 Must not import: models, rollout, data, trainer, cli.
 """
 from __future__ import annotations
@@ -24,8 +26,19 @@ class OutputExistsError(FileExistsError):
     """The output path exists and overwriting was not requested."""
 
 
-def check_output(path: Path, overwrite: bool) -> None:
-    """Refuse an existing output path unless `overwrite` (call before any long work)."""
+class OutputOverlapsInputError(ValueError):
+    """The output path is an input, or one contains the other."""
+
+
+def check_output(path: Path, overwrite: bool, inputs: tuple[Path | None, ...] = ()) -> None:
+    """Refuse an existing output path unless `overwrite`, and an output that is, contains or lies
+    inside one of `inputs` (call before any long work)."""
+    output = Path(path).resolve()
+    for source in (Path(i).resolve() for i in inputs if i is not None):
+        if output == source or output in source.parents or source in output.parents:
+            raise OutputOverlapsInputError(
+                f"output {path} overlaps the input {source}: writing it would destroy the input; "
+                "choose an output outside the input folder")
     if Path(path).exists() and not overwrite:
         raise OutputExistsError(f"output {path} already exists; pass --overwrite to replace it")
 
@@ -40,6 +53,7 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
     path = Path(path)
     check_output(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(path)
     tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -55,6 +69,28 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     else:
         tmp.rename(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_partials(path: Path) -> list[Path]:
+    """Remove the temporary siblings of `path` (`.<name>.partial-<pid>`, `.<name>.old-<pid>`) that
+    a killed writer left behind: those whose process no longer exists. Returns what was removed."""
+    path, removed = Path(path), []
+    for stale in path.parent.glob(f".{path.name}.*-*"):
+        kind, _, pid = stale.name[len(path.name) + 2:].rpartition("-")
+        if kind in ("partial", "old") and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            removed.append(stale)
+    return removed
 
 
 def copy_hf_side_files(source: Path, destination: Path) -> list[str]:

@@ -58,6 +58,10 @@ def record_from_row(row: dict, where: str, schema: DatasetSchema = DatasetSchema
     if schema.answer_key not in row or row[schema.answer_key] is None:
         raise DatasetError(f"{where}: missing required field {schema.answer_key!r} "
                            f"(row has: {', '.join(sorted(row)) or 'nothing'})")
+    if isinstance(row[schema.answer_key], (list, tuple, dict)) or hasattr(row[schema.answer_key], "tolist"):
+        raise DatasetError(f"{where}: field {schema.answer_key!r} must be one answer (a string or "
+                           f"number), found {type(row[schema.answer_key]).__name__} "
+                           f"{row[schema.answer_key]!r}; several accepted answers are not supported")
     if row.get(schema.messages_key) is not None:
         messages = _check_messages(row[schema.messages_key], where, schema.messages_key)
     elif isinstance(row.get(schema.prompt_key), str) and row[schema.prompt_key].strip():
@@ -91,8 +95,13 @@ def _check_messages(messages: Any, where: str, key: str) -> tuple[dict[str, str]
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
+                                   f"{exc.start + 1}); JSONL files must be UTF-8 encoded") from None
             if not line.strip():
                 continue
             try:

@@ -1,18 +1,23 @@
 """Reward functions and scoring with failure accounting.
 
 Owns: the built-in rewards (math-verify answer equivalence, last-number match), loading a user
-reward function from a dotted path, and scoring a batch so that a reward that raises, times out or
-returns a non-finite value scores 0 and is counted instead of crashing the run.
+reward function from a dotted path, and scoring a batch in a bounded pool of worker processes so
+that a reward that raises, times out or returns a non-finite value scores 0 and is counted instead
+of crashing the run, a hung reward cannot keep the process alive, and a batch in which every call
+failed stops the run with the first failure's text.
 Must not import: models, convert, rollout, trainer, cli.
 
 A reward function is `fn(response: str, answer: str) -> float`.
 """
 from __future__ import annotations
 
-import concurrent.futures as futures
 import importlib
 import math
+import multiprocessing
+import multiprocessing.connection
+import pickle
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -87,44 +92,104 @@ class RewardStats:
     """The first failure's message, for the log."""
 
 
-def score(fn: RewardFn, responses: list[str], answers: list[str], timeout_s: float = 10.0,
-          workers: int = 4) -> tuple[list[float], RewardStats]:
-    """Rewards for each (response, answer) pair; failures score 0 and are counted in the stats.
+class RewardError(RuntimeError):
+    """Every reward call of a batch failed: the run would learn from nothing."""
 
-    Calls run in a thread pool. A call that times out cannot be interrupted (Python threads
-    cannot be killed): it is abandoned and scored 0; the pool does not wait for it.
-    """
-    if len(responses) != len(answers):
-        raise ValueError(f"responses ({len(responses)}) and answers ({len(answers)}) differ in length")
-    stats, rewards = RewardStats(), []
-    pool = futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="reward")
+
+def _call(fn: RewardFn, response: str, answer: str, connection) -> None:
+    """Runs in a worker process: sends (outcome, value-or-message), outcome one of ok, error,
+    invalid."""
     try:
-        pending = [pool.submit(fn, r, a) for r, a in zip(responses, answers)]
-        for future in pending:
-            rewards.append(_collect(future, timeout_s, stats))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    return rewards, stats
-
-
-def _collect(future: futures.Future, timeout_s: float, stats: RewardStats) -> float:
-    try:
-        value = future.result(timeout=timeout_s)
-    except futures.TimeoutError:
-        stats.timeouts += 1
-        stats.first_error = stats.first_error or f"reward timed out after {timeout_s} s"
-        return 0.0
+        value = fn(response, answer)
     except Exception as exc:  # a user reward may raise anything; it must not end the run
-        stats.errors += 1
-        stats.first_error = stats.first_error or f"reward raised {type(exc).__name__}: {exc}"
-        return 0.0
+        connection.send(("error", f"reward raised {type(exc).__name__}: {exc}"))
+        return
     try:
         value = float(value)
     except (TypeError, ValueError):
         value = math.nan
-    if not math.isfinite(value):
-        stats.invalid += 1
-        stats.first_error = stats.first_error or "reward returned a non-finite or non-numeric value"
-        return 0.0
-    stats.scored += 1
-    return value
+    connection.send(("ok", value) if math.isfinite(value)
+                    else ("invalid", "reward returned a non-finite or non-numeric value"))
+
+
+def _context(fn: RewardFn):
+    """multiprocessing's forkserver: workers fork from a clean single-threaded server (forking the
+    trainer itself, with its gloo/ZMQ threads, can deadlock the child), with the reward's module
+    preloaded so each call starts in milliseconds."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise ValueError(f"reward function {fn!r} must be a module-level function (it runs in worker "
+                         f"processes): {exc}") from None
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__, fn.__module__])
+    return context
+
+
+def score(fn: RewardFn, responses: list[str], answers: list[str], timeout_s: float = 10.0,
+          workers: int = 4) -> tuple[list[float], RewardStats]:
+    """Rewards for each (response, answer) pair; failures score 0 and are counted in the stats.
+    RewardError (with the first failure's text) when every call failed.
+
+    Each call runs in its own worker process, at most `workers` at once, timed from its own start;
+    one still running after `timeout_s` is killed (whatever it is stuck in) and scored 0, so a hung
+    reward cannot hold up the batch beyond its timeout or keep the process alive.
+    """
+    if len(responses) != len(answers):
+        raise ValueError(f"responses ({len(responses)}) and answers ({len(answers)}) differ in length")
+    if not timeout_s > 0:
+        raise ValueError(f"reward timeout must be > 0 s, got {timeout_s}")
+    context, outcomes = _context(fn), [None] * len(responses)
+    queue, running = list(enumerate(zip(responses, answers))), {}
+    try:
+        while queue or running:
+            while queue and len(running) < max(1, workers):
+                index, (response, answer) = queue.pop(0)
+                receiver, sender = context.Pipe(duplex=False)
+                process = context.Process(target=_call, args=(fn, response, answer, sender), daemon=True)
+                process.start()
+                sender.close()
+                running[index] = (process, receiver, time.monotonic() + timeout_s)
+            _reap(running, outcomes, timeout_s)
+    finally:
+        for process, _, _ in running.values():
+            process.kill()
+    return _tally(outcomes)
+
+
+def _reap(running: dict, outcomes: list, timeout_s: float) -> None:
+    """Wait until a running call ends or reaches its deadline; record and drop those that did."""
+    soonest = min(deadline for _, _, deadline in running.values())
+    multiprocessing.connection.wait([r for _, r, _ in running.values()],
+                                    timeout=max(0.0, soonest - time.monotonic()))
+    for index, (process, receiver, deadline) in list(running.items()):
+        if receiver.poll():
+            try:
+                outcomes[index] = receiver.recv()
+            except EOFError:  # the worker died without answering
+                outcomes[index] = ("error", f"reward worker exited with code {process.exitcode}")
+        elif time.monotonic() >= deadline:
+            outcomes[index] = ("timeout", f"reward timed out after {timeout_s} s")
+        else:
+            continue
+        process.kill()
+        process.join()
+        receiver.close()
+        del running[index]
+
+
+def _tally(outcomes: list[tuple[str, object]]) -> tuple[list[float], RewardStats]:
+    stats, rewards = RewardStats(), []
+    for outcome, value in outcomes:
+        if outcome == "ok":
+            stats.scored += 1
+            rewards.append(value)
+            continue
+        field = {"error": "errors", "timeout": "timeouts", "invalid": "invalid"}[outcome]
+        setattr(stats, field, getattr(stats, field) + 1)
+        stats.first_error = stats.first_error or str(value)
+        rewards.append(0.0)
+    if outcomes and stats.scored == 0:
+        raise RewardError(f"all {len(outcomes)} reward calls failed ({stats.errors} raised, "
+                          f"{stats.timeouts} timed out, {stats.invalid} invalid); first: {stats.first_error}")
+    return rewards, stats

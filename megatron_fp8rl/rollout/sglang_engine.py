@@ -33,6 +33,7 @@ import torch
 
 from megatron_fp8rl.compat import sglang_cpu
 from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
+from megatron_fp8rl.rollout.reaper import Reaper
 from megatron_fp8rl.rollout.sglang_common import (
     ENGINE_ENV,
     MEMORY_TAGS,
@@ -92,6 +93,7 @@ class SGLangEngine:
                     f"{type(err).__name__}: {err}{self._failure_note()}"
                 ) from err
         self._child_pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        self._reaper = Reaper(sorted(self._child_pids))  # they die with this process, even on kill -9
         sglang_cpu.contain_child_failures(self._engine, self._on_child_failure)
 
     def _on_signal(self, signum, frame) -> None:
@@ -202,6 +204,7 @@ class SGLangEngine:
         if watchdog is not None:
             watchdog.stop()
         self._kill_children()
+        self._reaper.stop()
         sglang_cpu.close_sockets(self._engine, self._engine.tokenizer_manager)
         # The stock Engine registered its own shutdown, which kills every child of this process.
         atexit.unregister(self._engine.shutdown)

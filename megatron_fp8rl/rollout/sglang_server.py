@@ -16,7 +16,6 @@ the server also sees (`update_dir`).
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import signal
@@ -37,6 +36,7 @@ from safetensors.torch import save_file
 from megatron_fp8rl.compat import sglang_cpu
 from megatron_fp8rl.compat.process_env import torchrun_free_env
 from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
+from megatron_fp8rl.rollout.reaper import Reaper, die_with_parent
 from megatron_fp8rl.rollout.sglang_common import (
     ENGINE_ENV,
     SGLangConfig,
@@ -51,7 +51,6 @@ from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tenso
 
 TRANSFERS = ("disk", "distributed")
 
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -72,12 +71,6 @@ def check_port_free(host: str, port: int) -> None:
             if err.errno == errno.EADDRINUSE:
                 raise RolloutEngineError(f"cannot start SGLang server: port {host}:{port} is already in use") from err
             raise RolloutEngineError(f"cannot start SGLang server on {host}:{port}: {err}") from err
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL the server when the thread that started it dies (Linux)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class SGLangServer:
@@ -167,8 +160,9 @@ class SGLangServer:
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent, start_new_session=True,
+                preexec_fn=die_with_parent, start_new_session=True,
             )
+        self._reaper = Reaper([-self._proc.pid])  # its own session: the server and its SGLang children
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
@@ -312,6 +306,7 @@ class SGLangServer:
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
+        self._reaper.stop()
         for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
             try:
                 os.killpg(proc.pid, sig)

@@ -25,6 +25,7 @@ from megatron_fp8rl.compat.megatron_fp8_linear import (
     fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
 )
 from megatron_fp8rl.compat.process_env import torchrun_free_env
+from megatron_fp8rl.convert.integrity import verify_torch_dist
 from megatron_fp8rl.convert.megatron_to_hf import (
     plan_megatron_to_hf, read_tensor_metadata, read_unit, split_unit,
 )
@@ -40,7 +41,8 @@ from megatron_fp8rl.trainer.megatron_step import (
 
 def convert_initial_checkpoint(hf_path: Path, output: Path) -> Path:
     """HF folder -> torch_dist at `output`, once (rank 0, in a one-process subprocess: the
-    converter needs Megatron at TP=1/PP=1). Reused when `output` already exists."""
+    converter needs Megatron at TP=1/PP=1). Reused when `output` already exists: the caller has
+    checked that it was converted from the same checkpoint (trainer/run_dir.py)."""
     if output.exists():
         return output
     env = torchrun_free_env()
@@ -55,6 +57,7 @@ def convert_initial_checkpoint(hf_path: Path, output: Path) -> Path:
 def _load_weights_only(model: torch.nn.Module, directory: Path) -> None:
     """Load the weights of a converted HF checkpoint; FP8 scaling state (`_extra_state`), which
     such a checkpoint does not have, starts fresh. Any other missing tensor is an error."""
+    verify_torch_dist(directory)
     sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = model.load_state_dict(dist_checkpointing.load(sharded, str(directory)),
                                                 strict=False)

@@ -2,21 +2,26 @@
 
 Owns: saving and loading model + optimizer (sharded, any layout Megatron can reshard), every
 rank's RNG states, and the trainer's own state (step, data position, weight version; JSON), with
-keep-last-K pruning. Must not import: cli.
+keep-last-K pruning, and finding the newest intact checkpoint to resume from (damaged ones are
+skipped with the reason). Must not import: cli.
 
 Layout of `root`:
-    step_00000012/          a complete checkpoint (dist_checkpointing files + trainer_state.json)
+    step_00000012/          a complete checkpoint (dist_checkpointing files + trainer_state.json
+                            + checksums.sha256, verified at load)
     latest                  text file naming the newest complete checkpoint
     .tmp-step_00000014/     a save in progress or interrupted; ignored and removed later
+`latest` is for people and other tools; resume takes the newest step_* folder that is intact.
 A checkpoint becomes visible only by the rename of its finished temporary directory, so a crash
 mid-save leaves the previous checkpoint as the latest. Our own files hold no pickles: RNG states
-are stored as tensors, trainer state as JSON. (Megatron's format itself keeps small metadata
-files that torch/DCP read back; load checkpoints you wrote, not untrusted ones.)
+are stored as tensors, trainer state as JSON. Megatron's format pickles its metadata and small
+objects; the process loads those through restricted loaders (compat/safe_dcp.py, installed by
+launch.init_distributed), so a crafted checkpoint fails to load instead of running code.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -30,6 +35,8 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_fp8rl.compat.megatron_optim import ensure_optimizer_state, restore_adam_step
+from megatron_fp8rl.convert.integrity import verify_torch_dist, write_manifest
+from megatron_fp8rl.convert.safetensors_io import CheckpointError
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
@@ -41,8 +48,8 @@ class CheckpointConfig:
 
     dir: str = ""
     """Checkpoint root; empty disables checkpointing."""
-    every: int = 0
-    """Save every N optimizer steps (0: only at the end)."""
+    every: int = 10
+    """Save every N RL steps, and always after the last step (0: only after the last step)."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after a successful save."""
     optimizer_sharding: str = "dp_reshardable"
@@ -139,6 +146,7 @@ def save_checkpoint(cfg: CheckpointConfig, step: int, model, optimizer,
     if dist.get_rank() == 0:
         state = dict(trainer_state, step=step, optimizer_sharding=cfg.optimizer_sharding)
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -160,25 +168,49 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / TRAINER_STATE).is_file():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).is_file())
-    return complete[-1] if complete else None
-
-
-def load_checkpoint(path: str | Path, model, optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from `path`; return the trainer state."""
-    path = Path(path)
-    state_file = path / TRAINER_STATE
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint folder `path` cannot be resumed from, or None when it is intact: its trainer
+    state is missing or not our JSON, a file differs from its manifest, or `.metadata` is missing,
+    corrupt or crafted."""
+    state_file = Path(path) / TRAINER_STATE
     if not state_file.is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
-    trainer_state = json.loads(state_file.read_text())
+        return f"no {TRAINER_STATE}"
+    try:
+        state = json.loads(state_file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"{state_file} is not valid JSON ({exc})"
+    if not isinstance(state, dict) or not {"step", "optimizer_sharding"} <= state.keys():
+        return f"{state_file} lacks 'step' or 'optimizer_sharding'"
+    try:
+        verify_torch_dist(path)
+    except (CheckpointError, pickle.UnpicklingError) as exc:
+        return str(exc)
+    return None
+
+
+def newest_intact_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest step_* checkpoint under `root` that is intact (None if there is none), and one
+    line per newer checkpoint skipped, naming it and why. CheckpointError when checkpoints exist
+    but none is intact: starting over would silently discard the run."""
+    skipped = []
+    for path in sorted(Path(root).glob("step_*"), reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path}: {problem}")
+    if skipped:
+        raise CheckpointError("no intact checkpoint to resume from:\n  " + "\n  ".join(skipped))
+    return None, skipped
+
+
+def load_checkpoint(path: str | Path, model, optimizer, verify: bool = True) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from `path`; return the trainer state.
+    `verify=False` when the caller has already checked it (newest_intact_checkpoint)."""
+    path = Path(path)
+    problem = checkpoint_problem(path) if verify else None
+    if problem is not None:
+        raise CheckpointError(f"cannot resume from {path}: {problem}")
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
     ensure_optimizer_state(optimizer)
     sharded = _sharded_state(model, optimizer, trainer_state["optimizer_sharding"], True)
     loaded = dist_checkpointing.load(sharded, str(path))

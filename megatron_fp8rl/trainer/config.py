@@ -6,9 +6,12 @@ Must not import: cli.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from megatron_fp8rl.data.arithmetic import OPERATIONS
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
+from megatron_fp8rl.rl.losses import AGGREGATION_MODES
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
 
 ALGORITHMS = ("grpo", "dapo", "gspo")
@@ -24,11 +27,20 @@ TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwi
 CLIP_CALIBRATIONS = ("none", "shadow")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check(condition: bool, key: str, message: str) -> None:
     if not condition:
         raise ValueError(f"{key}: {message}")
+
+
+def _check_number(value: float, key: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    """`key` must be a finite number in [low, high] ((low, high] when `low_open`)."""
+    above = value > low if low_open else value >= low
+    _check(math.isfinite(value) and above and value <= high, key,
+           f"must be a finite number {'>' if low_open else '>='} {low}"
+           + (f" and <= {high}" if high != math.inf else "") + f", got {value}")
 
 
 @dataclass
@@ -113,6 +125,11 @@ class RolloutConfig:
     def __post_init__(self):
         _check(self.n_samples >= 2, "rollout.n_samples", f"must be >= 2 for group advantages, got {self.n_samples}")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        _check_number(self.temperature, "rollout.temperature", 0)
+        _check_number(self.top_p, "rollout.top_p", 0, 1, low_open=True)
+        _check(self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"{self.dtype!r} is not one of {ROLLOUT_DTYPES}")
+        _check(self.max_total_tokens > self.max_new_tokens, "rollout.max_total_tokens",
+               f"must exceed rollout.max_new_tokens ({self.max_new_tokens}), got {self.max_total_tokens}")
         _check(self.fp8 in ROLLOUT_FP8, "rollout.fp8", f"{self.fp8!r} is not one of {ROLLOUT_FP8}")
         _check(self.activation_scheme in ACTIVATION_SCHEMES, "rollout.activation_scheme",
                f"{self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
@@ -306,6 +323,12 @@ class DataConfig:
 
     def __post_init__(self):
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
+        _check(self.train_size >= 1, "data.train_size", f"must be >= 1, got {self.train_size}")
+        _check(self.eval_size >= 1, "data.eval_size", f"must be >= 1, got {self.eval_size}")
+        unknown = sorted(set(self.arithmetic_ops) - set(OPERATIONS))
+        _check(bool(self.arithmetic_ops) and not unknown, "data.arithmetic_ops",
+               f"unknown {unknown or 'empty list'}; choose from {sorted(OPERATIONS)}")
+        _check_number(self.reward_timeout_s, "data.reward_timeout_s", 0, low_open=True)
 
 
 @dataclass
@@ -328,11 +351,17 @@ class TrainConfig:
     """Seed for model init, data order and sampling."""
     eval_every: int = 5
     """Greedy eval every N steps (and before the first and after the last); 0: never."""
+    resume_changed_config: bool = False
+    """Continue a run_dir made with a different config (same model); refused otherwise."""
 
     def __post_init__(self):
         _check(self.steps >= 1, "train.steps", "must be >= 1")
-        _check(self.mini_batches >= 1 and self.micro_batch_size >= 1, "train",
-               "mini_batches and micro_batch_size must be >= 1")
+        _check(self.mini_batches >= 1, "train.mini_batches", f"must be >= 1, got {self.mini_batches}")
+        _check(self.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
+        _check_number(self.lr, "train.lr", 0, low_open=True)
+        _check_number(self.weight_decay, "train.weight_decay", 0)
+        _check_number(self.clip_grad, "train.clip_grad", 0, low_open=True)
+        _check(self.eval_every >= 0, "train.eval_every", f"must be >= 0 (0: never), got {self.eval_every}")
 
 
 @dataclass
@@ -375,3 +404,5 @@ class RunConfig:
         _check(not (self.rollout.fp8 == "aligned" and self.model.fp8_backend == "te"), "model.fp8_backend",
                "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
                "arithmetic; use model.fp8_backend=ours")
+        _check(self.algorithm.agg_mode in AGGREGATION_MODES, "algorithm.agg_mode",
+               f"{self.algorithm.agg_mode!r} is not one of {AGGREGATION_MODES}")

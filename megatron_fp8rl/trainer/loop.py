@@ -1,13 +1,15 @@
 """`megatron-fp8rl train`: the run from an HF checkpoint to an RL-trained HF checkpoint.
 
 Owns: wiring (config -> data, actor, rollout engine), the step loop with greedy evaluation,
-tensorboard logging, checkpoints/resume, and the final HF export. The step itself is
+tensorboard logging, checkpoints/resume, stopping when told (trainer/stop.py), and the final HF
+export. The step itself is
 rl_step.rl_step. Must not import: cli.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from megatron_fp8rl.config.loader import save_config
+from megatron_fp8rl.convert.integrity import write_manifest
 from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
+from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.data.arithmetic import arithmetic_records
 from megatron_fp8rl.data.records import DatasetError, PromptRecord, load_prompt_file, prompt_token_ids
 from megatron_fp8rl.data.rewards import load_reward_fn, score
@@ -25,11 +29,13 @@ from megatron_fp8rl.models.hf import check_fp8_backend
 from megatron_fp8rl.rl.metrics import paired_eval_change
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
-from megatron_fp8rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_fp8rl.trainer.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.rl_step import StepContext, rl_step, sync_weights
+from megatron_fp8rl.trainer.run_dir import check_run_dir, claim_run_dir
+from megatron_fp8rl.trainer.stop import StopRequested, StopSignals
 
 
 def load_records(spec: str, split: str, size: int, cfg: RunConfig) -> list[PromptRecord]:
@@ -160,8 +166,10 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     train_records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
     eval_records = load_records(cfg.data.eval, "eval", cfg.data.eval_size, cfg)[:cfg.data.eval_size]
+    provenance = check_run_dir(cfg)
+    dist.barrier()
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(run_dir, provenance)
         save_config(cfg, run_dir / "config.yaml")
         convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     dist.barrier()
@@ -175,13 +183,15 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
                       clip_calibrator=(ClipCalibrator(cfg.algorithm)
                                        if cfg.algorithm.clip_calibration == "shadow" else None))
     try:
-        return _loop(ctx, tokenizer, train_records, eval_records, rank)
+        with StopSignals() as stops:  # after the engine start: SGLang's handler ignores SIGTERM
+            return _loop(ctx, tokenizer, train_records, eval_records, rank, stops)
     finally:
         if ctx.engine is not None:
             ctx.engine.shutdown()
 
 
-def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -> dict[str, float]:
+def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int,
+          stops: StopSignals) -> dict[str, float]:
     cfg = ctx.cfg
     sampler = PromptSampler(train_records, cfg.data.prompts_per_step, seed=cfg.train.seed)
     start, resumed = _resume(ctx, sampler)
@@ -213,10 +223,13 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
         bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
                          ("reward/mean", "eval/accuracy", "time/rollout_s", "time/train_s") if k in metrics})
         summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
-                            {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start},
-                             **_calibrator_state(ctx)})
+        stop = stops.agreed()
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.steps or stop:
+            saved = save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
+                                    {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start},
+                                     **_calibrator_state(ctx)})
+        if stop is not None:
+            raise StopRequested(stop, step, saved)
     summary["seconds"] = time.perf_counter() - begin
     summary["hf_output"] = _export_hf(ctx, rank)
     if writer is not None:
@@ -226,14 +239,27 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int) -
 
 
 def _resume(ctx: StepContext, sampler: PromptSampler) -> tuple[int, dict[str, float]]:
-    """Continue from the newest complete checkpoint, if any: weights, optimizer, RNG, data
+    """Continue from the newest intact checkpoint, if any (newer damaged ones are skipped, each
+    named with its problem on stderr; all damaged is an error): weights, optimizer, RNG, data
     position; the rollout engine gets the restored weights as version `step` (what the
     uninterrupted run's engine held). Rollout sampling needs no saved state (SeededRollouts).
     Returns the step to continue after and the summary so far."""
-    path = latest_checkpoint(ctx.cfg.checkpoint.dir)
+    choice: list = [(None, None)]
+    if dist.get_rank() == 0:  # one rank reads and hashes the files; the others follow its choice
+        try:
+            path, skipped = newest_intact_checkpoint(ctx.cfg.checkpoint.dir)
+            choice = [(path, None)]
+        except CheckpointError as exc:
+            skipped, choice = [], [(None, str(exc))]
+        for line in skipped:
+            print(f"resume: skipping damaged checkpoint {line}", file=sys.stderr, flush=True)
+    dist.broadcast_object_list(choice, src=0)
+    path, error = choice[0]
+    if error is not None:
+        raise CheckpointError(error)
     if path is None:
         return 0, {}
-    state = load_checkpoint(path, ctx.actor.model, ctx.actor.optimizer)
+    state = load_checkpoint(path, ctx.actor.model, ctx.actor.optimizer, verify=False)
     sampler.load_state_dict(state["sampler"])
     if ctx.clip_calibrator is not None and "clip_calibration" in state:
         ctx.clip_calibrator.load_state_dict(state["clip_calibration"])
@@ -246,12 +272,19 @@ def _calibrator_state(ctx: StepContext) -> dict:
     return {} if ctx.clip_calibrator is None else {"clip_calibration": ctx.clip_calibrator.state_dict()}
 
 
-def _log(writer, metrics: dict[str, float], step: int) -> None:
+def _log(writer, metrics: dict[str, float | str], step: int) -> None:
+    """Numbers as tensorboard scalars; text (a reward's first error) as tensorboard text and on
+    the console, with the step's failure counts."""
     if writer is None:
         return
     for name, value in metrics.items():
         if isinstance(value, (int, float)) and value == value:
             writer.add_scalar(name, value, step)
+        elif isinstance(value, str):
+            writer.add_text(name, value, step)
+            counts = ", ".join(f"{k.split('/')[-1]} {metrics[k]:g}" for k in
+                               ("reward/errors", "reward/timeouts", "reward/invalid") if metrics.get(k))
+            tqdm.write(f"step {step}: {name}: {value} ({counts})", file=sys.stderr)
     writer.flush()
 
 
@@ -261,6 +294,7 @@ def _export_hf(ctx: StepContext, rank: int) -> str:
     final = ctx.actor.save_weights(Path(ctx.cfg.run_dir) / "final_megatron")
     output = Path(ctx.cfg.run_dir) / "hf"
     if rank == 0:
+        write_manifest(final)
         convert_megatron_to_hf(final, output, hf_config_dir=Path(ctx.cfg.model.hf_path),
                                overwrite=True, progress=False)
     dist.barrier()

@@ -92,6 +92,9 @@ def _rollout_until_full(ctx: StepContext, prompts, answers, more_prompts):
         samples, rewards, stats = _broadcast(_generate_and_score(ctx, prompts, answers)
                                              if dist.get_rank() == 0 else None)
         seen.append(rewards)
+        first_error = stats.pop("first_error")
+        if first_error:
+            reward_stats.setdefault("first_error", first_error)
         for key, value in stats.items():
             reward_stats[key] = reward_stats.get(key, 0) + value
         groups = rewards.view(len(prompts), cfg.rollout.n_samples)
@@ -108,7 +111,7 @@ def _rollout_until_full(ctx: StepContext, prompts, answers, more_prompts):
     raw = torch.cat(seen)
     metrics = {"reward/mean": float(raw.mean()), "reward/accuracy": float((raw > 0).float().mean()),
                "sampling/groups_dropped": float(dropped), "sampling/groups_kept": float(len(kept_samples)),
-               **{f"reward/{k}": float(v) for k, v in reward_stats.items()}}
+               **{f"reward/{k}": v if isinstance(v, str) else float(v) for k, v in reward_stats.items()}}
     flat = [s for group in kept_samples for s in group]
     lengths = torch.tensor([len(s.token_ids) for s in flat], dtype=torch.float32)
     if flat:
@@ -124,7 +127,8 @@ def _generate_and_score(ctx: StepContext, prompts, answers):
     texts = [ctx.decode(s.token_ids) for s in samples]
     refs = [answers[s.prompt_index] for s in samples]
     rewards, stats = score(ctx.reward_fn, texts, refs, timeout_s=ctx.cfg.data.reward_timeout_s)
-    counts = {"errors": stats.errors, "timeouts": stats.timeouts, "invalid": stats.invalid}
+    counts = {"errors": stats.errors, "timeouts": stats.timeouts, "invalid": stats.invalid,
+              "first_error": stats.first_error}
     return samples, torch.tensor(rewards, dtype=torch.float32), counts
 
 

@@ -2,6 +2,7 @@
 leaves partial output: unknown architectures, missing/unexpected/mis-shaped tensors in either
 direction, corrupt safetensors, existing outputs, interrupted runs. In process, one rank."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from megatron_fp8rl.convert import hf_to_megatron, megatron_to_hf
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
-from megatron_fp8rl.convert.outputs import OutputExistsError
+from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
+from megatron_fp8rl.convert.outputs import OutputExistsError, OutputOverlapsInputError
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.hf import build_model_from_hf
 from tests.models.tiny_hf import save_tiny_hf
@@ -107,6 +109,32 @@ def test_existing_output_refused_unless_overwrite(qwen2, tmp_path):
     assert not (tmp_path / "out" / "keep").exists() and (tmp_path / "out" / ".metadata").exists()
 
 
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_output_overlapping_the_input_is_refused_even_with_overwrite(qwen2, tmp_path, where):
+    """--overwrite on the input itself, a folder inside it or one holding it would destroy it."""
+    hf_dir, target, mcore = qwen2
+    copies = {name: shutil.copytree(src, tmp_path / "inputs" / name) for name, src in
+              (("hf", hf_dir), ("mcore", mcore))}
+    before = {p: p.read_bytes() for folder in copies.values() for p in folder.rglob("*") if p.is_file()}
+
+    def output(source):
+        return {"same": source, "inside": source / "out", "around": tmp_path / "inputs"}[where]
+    calls = [
+        lambda: convert_hf_to_megatron(copies["hf"], output(copies["hf"]), target(), overwrite=True,
+                                       progress=False),
+        lambda: convert_megatron_to_hf(copies["mcore"], output(copies["mcore"]), overwrite=True,
+                                       progress=False),
+        lambda: export_fp8(copies["mcore"], output(copies["mcore"]), Fp8ExportOptions(),
+                           source="megatron", overwrite=True, progress=False),
+        lambda: export_fp8(copies["hf"], output(copies["hf"]), Fp8ExportOptions(), overwrite=True,
+                           progress=False),
+    ]
+    for call in calls:
+        with pytest.raises(OutputOverlapsInputError, match="overlaps the input .*would destroy the input"):
+            call()
+    assert before == {p: p.read_bytes() for p in before}
+
+
 def _interrupt_after(calls: int, function):
     count = {"n": 0}
 
@@ -163,3 +191,19 @@ def test_not_a_megatron_checkpoint(qwen2, tmp_path):
     hf_dir, _, _ = qwen2
     with pytest.raises(CheckpointError, match="not a torch_dist checkpoint"):
         convert_megatron_to_hf(hf_dir, tmp_path / "out", hf_config_dir=hf_dir, progress=False)
+
+
+def test_stale_partials_of_killed_writers_are_removed_at_the_next_start(qwen2, tmp_path):
+    """kill -9 mid-conversion leaves `.out.partial-<pid>`; the next conversion of `out` removes it
+    (and only temporaries of processes that no longer exist)."""
+    import subprocess
+
+    hf_dir, target, _ = qwen2
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".out.partial-{dead.pid}"
+    (stale / "sub").mkdir(parents=True)
+    alive = tmp_path / f".out.partial-{os.getppid()}"
+    alive.mkdir()
+    convert_hf_to_megatron(hf_dir, tmp_path / "out", target(), progress=False)
+    assert not stale.exists() and alive.exists() and (tmp_path / "out" / ".metadata").is_file()

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
+from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import get_format
 from megatron_fp8rl.fp8.quantize import dequantize_blockwise, quantize_blockwise, quantize_per_tensor
 from megatron_fp8rl.models.hf import build_model_from_hf
@@ -128,3 +129,18 @@ def test_megatron_source_gives_the_same_checkpoint(hf_dir, tmp_path, megatron_tp
     a, b = load_file(tmp_path / "from_hf" / "model.safetensors"), load_file(tmp_path / "from_megatron" / "model.safetensors")
     assert sorted(a) == sorted(b)
     assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+@pytest.mark.parametrize("architecture, model_type", [("MixtralForCausalLM", "mixtral"),
+                                                      ("GPT2LMHeadModel", "gpt2")])
+def test_families_without_a_table_are_refused_by_name(hf_dir, tmp_path, architecture, model_type):
+    """Before: an "FP8 export" of whatever names matched the Llama pattern, exit 0."""
+    import shutil
+
+    other = shutil.copytree(hf_dir, tmp_path / model_type)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, architectures=[architecture],
+                                                       model_type=model_type)))
+    with pytest.raises(CheckpointError, match=rf"unsupported architecture \['{architecture}'\]; supported:"):
+        export_fp8(other, tmp_path / "out", Fp8ExportOptions(), progress=False)
+    assert not (tmp_path / "out").exists()

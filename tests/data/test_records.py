@@ -52,11 +52,21 @@ def test_custom_keys(tmp_path):
     ({"answer": "1"}, r"d.jsonl:2: needs a non-empty 'prompt' string or a 'messages' list"),
     ({"messages": [{"role": "user"}], "answer": "1"}, r"d.jsonl:2: messages\[0\] must have 'role' and 'content'"),
     ({"messages": [{"role": "assistant", "content": "a"}], "answer": "1"}, r"last message .* from 'user'"),
+    ({"prompt": "x", "answer": ["4", "four"]},  # was turned into the string "['4', 'four']"
+     r"d.jsonl:2: field 'answer' must be one answer \(a string or number\), found list \['4', 'four'\]"),
 ])
 def test_bad_row_names_file_and_line(tmp_path, row, message):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok", "answer": "1"}, row])
     with pytest.raises(DatasetError, match=message):
         load_prompt_file(path)
+
+
+def test_non_utf8_jsonl_names_file_and_line(tmp_path):
+    """Before: a raw UnicodeDecodeError naming neither."""
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "a", "answer": 1}\n{"prompt": "café", "answer": 2}\n'
+                                             .encode("latin-1"))
+    with pytest.raises(DatasetError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        load_prompt_file(tmp_path / "latin1.jsonl")
 
 
 def test_bad_json_missing_file_unknown_format_corrupt_parquet(tmp_path):

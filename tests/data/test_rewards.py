@@ -1,12 +1,14 @@
 """Rewards: math-verify and last-number rules; user functions by dotted path; failures score 0."""
 import math
-import threading
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from megatron_fp8rl.data.rewards import (
-    last_number_reward, load_reward_fn, math_verify_reward, score,
+    RewardError, last_number_reward, load_reward_fn, math_verify_reward, score,
 )
 
 
@@ -43,27 +45,96 @@ def test_load_builtin_and_dotted():
         load_reward_fn(f"{__name__}:missing")
 
 
+def _flaky(response: str, answer: str) -> float:
+    if response == "raise":
+        raise RuntimeError("boom")
+    if response == "hang":
+        time.sleep(30)
+    if response == "nan":
+        return math.nan
+    if response == "text":
+        return "high"
+    return 1.0
+
+
 def test_failures_score_zero_and_are_counted():
-    release = threading.Event()
-
-    def flaky(response: str, answer: str) -> float:
-        if response == "raise":
-            raise RuntimeError("boom")
-        if response == "hang":
-            release.wait(30)
-        if response == "nan":
-            return math.nan
-        if response == "text":
-            return "high"
-        return 1.0
-
     start = time.perf_counter()
-    rewards, stats = score(flaky, ["ok", "raise", "hang", "nan", "text", "ok"], ["1"] * 6, timeout_s=0.5)
-    release.set()
+    rewards, stats = score(_flaky, ["ok", "raise", "hang", "nan", "text", "ok"], ["1"] * 6, timeout_s=0.5)
     assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert (stats.scored, stats.errors, stats.timeouts, stats.invalid) == (2, 1, 1, 2)
     assert "RuntimeError: boom" in stats.first_error
     assert time.perf_counter() - start < 10
+
+
+def test_a_closure_is_refused_by_name():
+    with pytest.raises(ValueError, match="must be a module-level function"):
+        score(lambda response, answer: 1.0, ["1"], ["1"])
+
+
+def test_calls_run_concurrently_each_timed_from_its_own_start():
+    """8 calls of 0.6 s on 4 workers with a 1 s timeout: none times out (each is timed alone, not
+    from the batch start). 4 calls that hang time out together after ~1 s, not one after another."""
+    rewards, stats = score(_sleep_then_one, ["0.6"] * 8, ["1"] * 8, timeout_s=1.0, workers=4)
+    assert rewards == [1.0] * 8 and stats.timeouts == 0
+    start = time.perf_counter()
+    rewards, stats = score(_sleep_then_one, ["60"] * 4 + ["0"], ["1"] * 5, timeout_s=1.0, workers=4)
+    assert stats.timeouts == 4 and rewards[-1] == 1.0
+    assert time.perf_counter() - start < 3.0  # one after another: over 4 s
+
+
+def _sleep_then_one(response: str, answer: str) -> float:
+    time.sleep(float(response))
+    return 1.0
+
+
+def _ignores_alarm(response: str, answer: str) -> float:
+    """A reward stuck where its alarm cannot reach it."""
+    deadline = time.monotonic() + 600
+    while response == "stuck" and time.monotonic() < deadline:
+        try:
+            time.sleep(600)
+        except BaseException:  # swallows whatever the timeout raises
+            pass
+    return 1.0
+
+
+def test_a_reward_that_ignores_its_timeout_is_killed():
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    start = time.perf_counter()
+    rewards, stats = score(_ignores_alarm, ["stuck", "fine"], ["1", "1"], timeout_s=0.5, workers=2)
+    assert rewards == [0.0, 1.0] and stats.timeouts == 1
+    assert "timed out after 0.5 s" in stats.first_error
+    assert time.perf_counter() - start < 15
+    assert set(multiprocessing.active_children()) <= before  # the stuck worker is gone
+
+
+def test_a_hung_reward_cannot_keep_the_process_alive(tmp_path):
+    """The reported case: the summary printed, then the process never exited."""
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
+              "from megatron_fp8rl.data.rewards import score\n"
+              "from tests.data.test_rewards import _ignores_alarm\n"
+              "print(score(_ignores_alarm, ['stuck', 'fine'], ['1', '1'], timeout_s=0.5)[0])\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[0.0, 1.0]"
+
+
+def test_every_call_failing_stops_with_the_first_error():
+    with pytest.raises(RewardError, match=r"all 3 reward calls failed \(3 raised, 0 timed out, 0 invalid\); "
+                                          r"first: reward raised RuntimeError: boom"):
+        score(_raises, ["a", "b", "c"], ["1"] * 3)
+
+
+def _raises(response: str, answer: str) -> float:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, math.nan])
+def test_timeout_must_be_positive(timeout_s):
+    with pytest.raises(ValueError, match="reward timeout must be > 0 s"):
+        score(last_number_reward, ["1"], ["1"], timeout_s=timeout_s)
 
 
 def test_length_mismatch_is_an_error():

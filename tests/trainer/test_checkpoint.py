@@ -37,23 +37,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]
 
 
-def test_latest_ignores_incomplete_saves(tmp_path):
-    from megatron_fp8rl.trainer.checkpoint import TRAINER_STATE, latest_checkpoint
+def test_resume_ignores_interrupted_saves(tmp_path):
+    from megatron_fp8rl.trainer.checkpoint import newest_intact_checkpoint
 
-    assert latest_checkpoint(tmp_path) is None
-    (tmp_path / "step_00000003").mkdir()
-    (tmp_path / "step_00000003" / TRAINER_STATE).write_text("{}")
-    (tmp_path / "step_00000005").mkdir()  # a directory without trainer state: not complete
-    (tmp_path / ".tmp-step_00000007").mkdir()
-    assert latest_checkpoint(tmp_path).name == "step_00000003"
-    (tmp_path / "latest").write_text("step_00000005\n")  # a pointer to an incomplete one
-    assert latest_checkpoint(tmp_path).name == "step_00000003"
-
-
-def test_config_rejects_bad_values():
-    from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
-
-    with pytest.raises(ValueError, match="only 'dp_reshardable'"):
-        CheckpointConfig(dir="x", optimizer_sharding="fully_reshardable")
-    with pytest.raises(ValueError, match="keep_last must be >= 1"):
-        CheckpointConfig(dir="x", keep_last=0)
+    assert newest_intact_checkpoint(tmp_path) == (None, [])
+    (tmp_path / ".tmp-step_00000007").mkdir()  # an interrupted save is not a candidate
+    (tmp_path / "latest").write_text("step_00000007\n")
+    assert newest_intact_checkpoint(tmp_path) == (None, [])

@@ -1,4 +1,6 @@
 """Run-config errors surface before any expensive work, naming the key or the file."""
+import re
+
 import pytest
 
 from megatron_fp8rl.cli import main
@@ -7,9 +9,15 @@ from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.loop import check_inputs
 
 
-def test_unknown_key_suggests_closest():
-    with pytest.raises(ConfigError, match=r"'algorithm.clip_hihg'.*did you mean 'algorithm.clip_high'"):
-        main(["train", "model.hf_path=/x", "algorithm.clip_hihg=0.3"])
+def test_unknown_key_suggests_closest(capsys):
+    """A user error is one line on stderr and exit status 2; --debug raises it with its traceback."""
+    assert main(["train", "model.hf_path=/x", "algorithm.clip_hihg=0.3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert re.match(r"error: .*'algorithm.clip_hihg'.*did you mean 'algorithm.clip_high'", err)
+    with pytest.raises(ConfigError, match=r"'algorithm.clip_hihg'"):
+        main(["--debug", "train", "model.hf_path=/x", "algorithm.clip_hihg=0.3"])
+
 
 
 @pytest.mark.parametrize("override, message", [
@@ -17,6 +25,23 @@ def test_unknown_key_suggests_closest():
     ("rollout.n_samples=1", "rollout.n_samples: must be >= 2"),
     ("model.fp8=fp4", "model.fp8: 'fp4' is not one of"),
     ("checkpoint.keep_last=0", "keep_last must be >= 1"),
+    ("data.reward_timeout_s=0", r"data.reward_timeout_s: must be a finite number > 0, got 0"),
+    ("train.lr=0", r"train.lr: must be a finite number > 0, got 0"),
+    ("train.lr=-1e-5", r"train.lr: must be a finite number > 0, got -1e-05"),
+    ("train.lr=nan", r"train.lr: must be a finite number > 0, got nan"),
+    ("train.weight_decay=inf", r"train.weight_decay: must be a finite number >= 0, got inf"),
+    ("train.clip_grad=0", r"train.clip_grad: must be a finite number > 0"),
+    ("train.eval_every=-1", r"train.eval_every: must be >= 0"),
+    ("train.micro_batch_size=0", r"train.micro_batch_size: must be >= 1"),
+    ("rollout.temperature=-0.5", r"rollout.temperature: must be a finite number >= 0, got -0.5"),
+    ("rollout.top_p=1.5", r"rollout.top_p: must be a finite number > 0 and <= 1, got 1.5"),
+    ("rollout.top_p=0", r"rollout.top_p: must be a finite number > 0 and <= 1, got 0"),
+    ("rollout.dtype=int8", r"rollout.dtype: 'int8' is not one of"),
+    ("rollout.max_total_tokens=16", r"rollout.max_total_tokens: must exceed rollout.max_new_tokens \(32\)"),
+    ("data.eval_size=0", r"data.eval_size: must be >= 1, got 0"),
+    ("data.train_size=0", r"data.train_size: must be >= 1"),
+    ("data.arithmetic_ops=[add,pow]", r"data.arithmetic_ops: unknown \['pow'\]"),
+    ("algorithm.agg_mode=sum", r"algorithm.agg_mode: 'sum' is not one of"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

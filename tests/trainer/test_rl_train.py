@@ -62,6 +62,8 @@ def test_train_tp1_end_to_end(tiny_run_inputs, tmp_path):
     assert len(scalars["train/mismatch_abs_logprob_diff_mean"]) == 2
     assert max(scalars["train/mismatch_abs_logprob_diff_mean"]) < 1e-3
     assert (tmp_path / "config.yaml").is_file()
+    # default checkpoint.every (10) > train.steps: the run still ends with a checkpoint
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002"]
     exported = load_file(Path(summary["hf_output"]) / "model.safetensors")
     initial = load_file(tiny_run_inputs[0] / "model.safetensors")
     assert exported.keys() == initial.keys()
@@ -87,11 +89,18 @@ def test_train_tp2_with_fp8_trainer(tiny_run_inputs, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_crashing_reward_scores_zero_and_is_counted(tiny_run_inputs, tmp_path):
-    summary = _train(tiny_run_inputs, tmp_path, 1, "data.reward=tests.trainer.reward_fns:always_raises",
-                     "train.steps=1", "train.eval_every=0", "algorithm.dynamic_sampling=false")
-    assert summary["reward/errors"] == 2 * 4  # every sample of the step's 2 prompts x 4 samples
-    assert summary["reward/mean"] == 0.0
+def test_a_reward_that_always_raises_stops_the_run_with_its_error(tiny_run_inputs, tmp_path):
+    """Before: exit 0, every reward 0, the exception text nowhere. A reward failing on some samples
+    only scores them 0 and is counted (tests/data/test_rewards.py)."""
+    model, prompts = tiny_run_inputs
+    output = run_torchrun(
+        CLI, 1, "train", f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={prompts}",
+        "data.eval_size=8", "data.reward=tests.trainer.reward_fns:always_raises", "train.steps=1",
+        "rollout.n_samples=4", "data.prompts_per_step=2", "rollout.max_new_tokens=6",
+        "train.eval_every=0", "algorithm.dynamic_sampling=false", f"run_dir={tmp_path}",
+        timeout=900, expect_failure=True)
+    assert ("error: all 8 reward calls failed (8 raised, 0 timed out, 0 invalid); "
+            "first: reward raised RuntimeError: reward exploded") in output
 
 
 @pytest.mark.slow

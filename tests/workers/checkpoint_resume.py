@@ -34,7 +34,7 @@ def main(args) -> None:
 
     from megatron_fp8rl.models.gpt import build_gpt_model, tiny_transformer_config
     from megatron_fp8rl.trainer.checkpoint import (
-        CheckpointConfig, latest_checkpoint, load_checkpoint, save_checkpoint,
+        CheckpointConfig, load_checkpoint, newest_intact_checkpoint, save_checkpoint,
     )
     from megatron_fp8rl.trainer.megatron_step import OptimConfig, build_optimizer, train_step, wrap_ddp
 
@@ -45,7 +45,7 @@ def main(args) -> None:
                            every=args.ckpt_every, keep_last=2)
     start = 0
     if args.resume:
-        start = load_checkpoint(latest_checkpoint(args.resume), model, optimizer)["step"]
+        start = load_checkpoint(newest_intact_checkpoint(args.resume)[0], model, optimizer)["step"]
     dp_rank, dp = parallel_state.get_data_parallel_rank(), layout.data_parallel
     losses = {}
     out = Path(args.workdir) / f"{args.tag}.json"

@@ -1,0 +1,71 @@
+"""A run directory remembers what it was made from: reusing it with another model (even one with
+the same config.json and shapes) or another config is refused naming both; the same inputs under a
+moved path continue it. The end-to-end case starts torchrun with 1 process and fails before any
+SGLang process starts."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megatron_fp8rl.config.loader import load_config
+from megatron_fp8rl.trainer.config import RunConfig
+from megatron_fp8rl.trainer.run_dir import RunDirError, check_run_dir, claim_run_dir
+from tests.rollout.tiny_models import build_tiny_model
+from tests.torchrun import REPO, free_port
+
+
+def _cfg(model, run_dir, **train):
+    overrides = [f"model.hf_path={model}", f"run_dir={run_dir}"]
+    return load_config(RunConfig, None, overrides + [f"train.{k}={v}" for k, v in train.items()])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"a": build_tiny_model("llama", root / "a", seed=0),
+            "a_finetuned": build_tiny_model("llama", root / "a_finetuned", seed=1),
+            "qwen3": build_tiny_model("qwen3", root / "qwen3")}
+
+
+def test_other_model_is_refused_naming_both(models, tmp_path):
+    claim_run_dir(tmp_path, check_run_dir(_cfg(models["a"], tmp_path)))
+    for other in ("a_finetuned", "qwen3"):  # a_finetuned: same config.json, other weights
+        with pytest.raises(RunDirError, match=rf"made from model.hf_path={models['a']}; this run's "
+                                              rf"model.hf_path={models[other]} is a different checkpoint"):
+            check_run_dir(_cfg(models[other], tmp_path))
+
+
+def test_same_model_moved_and_same_config_continue(models, tmp_path):
+    claim_run_dir(tmp_path / "run", check_run_dir(_cfg(models["a"], tmp_path / "run")))
+    moved = shutil.copytree(models["a"], tmp_path / "moved")
+    check_run_dir(_cfg(moved, tmp_path / "run"))
+
+
+def test_changed_config_is_refused_unless_asked(models, tmp_path):
+    claim_run_dir(tmp_path, check_run_dir(_cfg(models["a"], tmp_path)))
+    with pytest.raises(RunDirError, match=r"different config \(train.lr: 1e-05 -> 0.001\)"):
+        check_run_dir(_cfg(models["a"], tmp_path, lr=1e-3))
+    record = check_run_dir(_cfg(models["a"], tmp_path, lr=1e-3, resume_changed_config=True))
+    assert record["config"]["train.lr"] == 1e-3
+
+
+def test_previous_outputs_without_record_are_refused(models, tmp_path):
+    (tmp_path / "init_megatron").mkdir()
+    with pytest.raises(RunDirError, match="holds init_megatron but no provenance.json"):
+        check_run_dir(_cfg(models["a"], tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_train_refuses_a_run_dir_of_another_model(models, tmp_path):
+    """`train` into a run_dir claimed by another model exits non-zero naming both models."""
+    run_dir = tmp_path / "run"
+    claim_run_dir(run_dir, check_run_dir(_cfg(models["qwen3"], run_dir)))
+    (run_dir / "init_megatron").mkdir()  # what the first run left: the other model's weights
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+         f"--master-port={free_port()}", str(REPO / "megatron_fp8rl" / "cli.py"), "train",
+         f"model.hf_path={models['a']}", f"run_dir={run_dir}", "data.eval_size=4"],
+        capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode != 0
+    assert f"made from model.hf_path={models['qwen3']}" in result.stdout + result.stderr
