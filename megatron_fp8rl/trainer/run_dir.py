@@ -18,8 +18,9 @@ from typing import Any
 from megatron_fp8rl.convert.integrity import hf_fingerprint
 
 PROVENANCE = "provenance.json"
-RESUMABLE_KEYS = ("run_dir", "model.hf_path", "checkpoint.dir")
-"""Keys that may differ on reuse: paths (the model's identity is its fingerprint, not its path)."""
+RESUMABLE_KEYS = ("run_dir", "model.hf_path", "checkpoint.dir", "train.steps")
+"""Keys that may differ on reuse: paths (the model's identity is its fingerprint, not its path),
+and train.steps (continuing a run to more steps is the ordinary resume, as Megatron's --train-iters)."""
 PREVIOUS_OUTPUTS = ("init_megatron", "checkpoints")
 
 

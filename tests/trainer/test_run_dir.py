@@ -69,3 +69,11 @@ def test_train_refuses_a_run_dir_of_another_model(models, tmp_path):
         capture_output=True, text=True, cwd=REPO, timeout=300)
     assert result.returncode != 0
     assert f"made from model.hf_path={models['qwen3']}" in result.stdout + result.stderr
+
+
+def test_more_steps_is_an_ordinary_resume(models, tmp_path):
+    """Continuing a run to more steps (train.steps 1 -> 2) is not a config change; lr still is."""
+    claim_run_dir(tmp_path, check_run_dir(_cfg(models["a"], tmp_path, steps=1)))
+    check_run_dir(_cfg(models["a"], tmp_path, steps=2))
+    with pytest.raises(RunDirError, match=r"train.lr"):
+        check_run_dir(_cfg(models["a"], tmp_path, steps=2, lr=1e-3))
