@@ -71,7 +71,7 @@ class ClipCalibrator:
         shadow_ratio = ratio_fn(shadow.double(), shadow_old.double(), *args)
         ratio, adv = calibration_values(fp8_ratio, advantages, mask, self.level)
         shadow_values, _ = calibration_values(shadow_ratio, advantages, mask, self.level)
-        ratio, shadow_values, adv = (_gathered(t) for t in (ratio, shadow_values, adv))
+        ratio, shadow_values, adv = _gathered(torch.stack([ratio, shadow_values, adv]))
         previous = self.bounds
         self.last = calibrate(ratio, shadow_values, adv, self.configured, previous, self.calibrated,
                               self.limits, self.smoothing)
@@ -106,10 +106,10 @@ class ClipCalibrator:
 
 
 def _gathered(values: torch.Tensor) -> torch.Tensor:
-    """`values` of every rank that computes the loss once (TP rank 0 of the last pipeline stage),
-    concatenated in rank order, on every rank."""
+    """`values` [k, n] of every rank that computes the loss once (TP rank 0 of the last pipeline
+    stage), concatenated along n in rank order, on every rank (one collective)."""
     owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
              and parallel_state.get_tensor_model_parallel_rank() == 0)
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, values.cpu() if owner else values.new_zeros(0).cpu())
-    return torch.cat(parts)
+    dist.all_gather_object(parts, values.cpu() if owner else values[:, :0].cpu())
+    return torch.cat(parts, dim=1)

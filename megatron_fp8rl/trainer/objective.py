@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_fp8rl.rl.calibrated_clipping import ClipBounds
+from megatron_fp8rl.rl.common import masked_mean
 from megatron_fp8rl.rl.correction import masked_importance_weights, truncated_importance_weights
 from megatron_fp8rl.rl.losses import policy_loss
 from megatron_fp8rl.rl.metrics import mismatch_metrics
@@ -171,6 +172,5 @@ def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = 
 def _train_forward_noise(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor):
     """|log π_θ − log π_old| [B, S] at θ = θ_old over the response tokens: mean and max."""
     delta = (logprobs.detach().float() - old_logprobs.float()).abs() * mask
-    count = mask.sum().clamp(min=1)
-    return {"noise/train_forward_abs_delta_mean": delta.sum() / count,
+    return {"noise/train_forward_abs_delta_mean": masked_mean(delta, mask),
             "noise/train_forward_abs_delta_max": delta.max()}
