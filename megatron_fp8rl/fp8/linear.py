@@ -24,13 +24,19 @@ The FP8 GEMM (`gemm` argument, GEMMS):
                      bits from the same FP8 codes (rollout/sglang_fp8.py uses this function). Row
                      scales (one multiplier per row of either operand: per-token activations,
                      per-channel weights) multiply the rounded sum the same way. ~1.3-
-                     1.6x an 'fp32_accumulate' forward on CPU. Other operands (E5M2 gradients, K
-                     above the bound) fall back to 'fp32_accumulate'; the backward always does;
+                     1.6x an 'fp32_accumulate' forward on CPU. Block operands sharing one group
+                     width g along K (1xg activation groups with 1xg or gxg weight blocks: the
+                     `groupwise` and `blockwise` recipes) sum each group exactly in fp64, then
+                     add the groups in K order, each times its two fp64 multipliers, and round
+                     once to fp32: every step is per element, so a row's result again depends on
+                     nothing but that row and the weight. Other operands (E5M2 gradients, K
+                     above the bound, other block shapes) fall back to 'fp32_accumulate' (block
+                     operands: dequantize + fp32 matmul); the backward always does;
 - 'triton_invariant': fp8/triton_gemm.py's Triton kernel: fixed tiles, no split-K, fp32
                      accumulation in a fixed K order, so a row's result does not depend on M either
                      (batch-invariant on GPU, where 'exact' would be slow and cuBLASLt's algorithm
                      changes with the shape). Per-tensor x per-tensor, or 1x128 activation groups x
-                     128x128 weight blocks; any other layout raises. CPU tensors need
+                     128x128 or 1x128 weight blocks; any other layout raises. CPU tensors need
                      TRITON_INTERPRET=1 (else it raises). The backward runs 'scaled_mm' on CUDA,
                      'fp32_accumulate' elsewhere;
 - 'auto' (default):  'scaled_mm' on CUDA, 'exact' on CPU, because torch 2.13's CPU
@@ -93,6 +99,8 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
         return _triton_matmul_nt(a, b)
     if gemm == "exact" and _row_or_tensor(a, b) and _exact_sum_fits(a, b):
         return (_dense(a).double() @ _dense(b).double().t()).float() * _left_scale(a) * _left_scale(b).reshape(1, -1)
+    if gemm == "exact" and _same_groups(a, b) and _exact_sum_fits(a, b):
+        return _exact_grouped_matmul_nt(a, b)
     if a.granularity != "tensor" or b.granularity != "tensor":
         return a.dequantize() @ b.dequantize().t()
     if gemm == "scaled_mm":
@@ -114,11 +122,35 @@ def _triton_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     layout = (a.granularity, a.block, b.granularity, b.block)
     if layout == ("tensor", None, "tensor", None):
         return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv)
-    if layout == ("block", (1, GROUP), "block", (GROUP, GROUP)):
-        return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, block_scaled=True)
+    if layout[:3] == ("block", (1, GROUP), "block") and b.block in ((GROUP, GROUP), (1, GROUP)):
+        return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, block_scaled=True,
+                                    b_row_scaled=b.block == (1, GROUP))
     raise ValueError(f"triton_invariant FP8 GEMM: operands {a.granularity} {a.block} x {b.granularity} {b.block} "
                      f"(shapes {tuple(a.data.shape)} x {tuple(b.data.shape)}) are not supported; per-tensor x "
-                     f"per-tensor, or block (1, {GROUP}) x block ({GROUP}, {GROUP})")
+                     f"per-tensor, or block (1, {GROUP}) x block ({GROUP}, {GROUP}) or (1, {GROUP})")
+
+
+def _same_groups(a: Fp8Tensor, b: Fp8Tensor) -> bool:
+    """Both operands block-scaled with the same group width along K."""
+    return a.granularity == b.granularity == "block" and a.block[1] == b.block[1]
+
+
+def _row_group_scales(t: Fp8Tensor) -> torch.Tensor:
+    """t's block multipliers [ceil(rows/bn), groups] expanded to one row each: [rows, groups], fp64."""
+    return t.scale_inv.double().repeat_interleave(t.block[0], 0)[: t.data.shape[0]]
+
+
+def _exact_grouped_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+    """'exact' for block operands (module docstring): y = sum over K groups g, in order, of
+    exact_sum_g(a b) * sa[m, g] * sb[n, g], in fp64, rounded once to fp32."""
+    width = a.block[1]
+    a_dense, b_dense = _dense(a).double(), _dense(b).double()
+    a_scales, b_scales = _row_group_scales(a), _row_group_scales(b)
+    y = torch.zeros(a_dense.shape[0], b_dense.shape[0], dtype=torch.float64, device=a_dense.device)
+    for group, start in enumerate(range(0, a_dense.shape[1], width)):
+        part = a_dense[:, start:start + width] @ b_dense[:, start:start + width].t()
+        y += part * a_scales[:, group, None] * b_scales[None, :, group]
+    return y.float()
 
 
 def _row_or_tensor(a: Fp8Tensor, b: Fp8Tensor) -> bool:

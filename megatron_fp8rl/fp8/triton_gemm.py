@@ -10,7 +10,9 @@ Arithmetic, A [M, K] and B [N, K] FP8 (E4M3 or E5M2), y [M, N] fp32:
 - block: A with 1x128 group scales sa [M, K/128] (activations, per token), B with 128x128 block
   scales sb [ceil(N/128), K/128] (the DeepSeek / SGLang `weight_scale_inv` layout):
   y = sum_g (sum_{k in group g} a b) * sa[m, g] * sb[n // 128, g], each group's partial sum
-  promoted to the fp32 accumulator before the next (K must be a multiple of 128).
+  promoted to the fp32 accumulator before the next (K must be a multiple of 128); or B with 1x128
+  group scales sb [N, K/128] (the `groupwise` recipe: each output channel's K in groups of 128),
+  then y = sum_g (sum_{k in group g} a b) * sa[m, g] * sb[n, g].
 Batch invariance by construction: one fixed tile configuration (TILE) whatever the shapes, no
 split-K, and each program walks K in the same order from k = 0, so y[m, :] depends only on A's
 row m and on B: the same bits whether row m is multiplied alone, in a batch of 64, or at another
@@ -47,8 +49,8 @@ MAX_ELEMENTS = 2**31
 
 def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                         stride_am, stride_bn, stride_ym, stride_asm, stride_bsn,
-                        BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_SCALED: tl.constexpr, B_ROW_SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of y, K walked in order from 0 (module docstring)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,8 +65,12 @@ def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
         b = tl.load(b_ptrs, mask=k_in[:, None] & (cols[None, :] < N), other=0.0)
         if BLOCK_SCALED:
             a_scale = tl.load(a_scale_ptr + rows * stride_asm + k0 // BLOCK_K, mask=rows < M, other=0.0)
-            b_scale = tl.load(b_scale_ptr + pid_n * stride_bsn + k0 // BLOCK_K)
-            acc += tl.dot(a, b, max_num_imprecise_acc=0) * a_scale[:, None] * b_scale
+            if B_ROW_SCALED:
+                b_scale = tl.load(b_scale_ptr + cols * stride_bsn + k0 // BLOCK_K, mask=cols < N, other=0.0)
+                acc += tl.dot(a, b, max_num_imprecise_acc=0) * a_scale[:, None] * b_scale[None, :]
+            else:
+                b_scale = tl.load(b_scale_ptr + pid_n * stride_bsn + k0 // BLOCK_K)
+                acc += tl.dot(a, b, max_num_imprecise_acc=0) * a_scale[:, None] * b_scale
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=0)
         a_ptrs += BLOCK_K
@@ -122,7 +128,7 @@ def _check_scale(name: str, scale: torch.Tensor, want: tuple, operands: str, dev
                          f"{'' if scale.is_contiguous() else ', not contiguous'}")
 
 
-def _check_scales(a, b, a_scale_inv, b_scale_inv, block_scaled: bool) -> None:
+def _check_scales(a, b, a_scale_inv, b_scale_inv, block_scaled: bool, b_row_scaled: bool) -> None:
     (m, k), n = a.shape, b.shape[0]
     operands = f"a {tuple(a.shape)}, b {tuple(b.shape)}"
     check = functools.partial(_check_scale, device=a.device)
@@ -133,23 +139,29 @@ def _check_scales(a, b, a_scale_inv, b_scale_inv, block_scaled: bool) -> None:
     if k % GROUP:
         raise ValueError(f"triton_invariant FP8 GEMM: block scales need K a multiple of {GROUP}; found {operands}")
     check("a_scale_inv", a_scale_inv, (m, k // GROUP), operands + f" with 1x{GROUP} group scales")
-    check("b_scale_inv", b_scale_inv, (math.ceil(n / GROUP), k // GROUP),
-                 operands + f" with {GROUP}x{GROUP} block scales")
+    if b_row_scaled:
+        check("b_scale_inv", b_scale_inv, (n, k // GROUP), operands + f" with 1x{GROUP} group scales")
+    else:
+        check("b_scale_inv", b_scale_inv, (math.ceil(n / GROUP), k // GROUP),
+              operands + f" with {GROUP}x{GROUP} block scales")
 
 
 def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
-                         b_scale_inv: torch.Tensor, block_scaled: bool = False) -> torch.Tensor:
+                         b_scale_inv: torch.Tensor, block_scaled: bool = False,
+                         b_row_scaled: bool = False) -> torch.Tensor:
     """y [M, N] fp32 = a [M, K] @ b [N, K]^T dequantized by the scales (module docstring):
     per tensor (0-d scale_invs), or with `block_scaled` 1x128 groups for a and 128x128 blocks
-    for b. ValueError naming the shapes for anything else; RuntimeError on CPU without
-    TRITON_INTERPRET=1."""
+    for b (`b_row_scaled`: 1x128 groups for b too). ValueError naming the shapes for anything
+    else; RuntimeError on CPU without TRITON_INTERPRET=1."""
+    if b_row_scaled and not block_scaled:
+        raise ValueError("triton_invariant FP8 GEMM: b_row_scaled needs block_scaled (1x128 groups for a)")
     _check_operands(a, b)
-    _check_scales(a, b, a_scale_inv, b_scale_inv, block_scaled)
+    _check_scales(a, b, a_scale_inv, b_scale_inv, block_scaled, b_row_scaled)
     kernel = _kernel(a.device)
     (m, k), n = a.shape, b.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, TILE["BLOCK_M"]), triton.cdiv(n, TILE["BLOCK_N"]))
     scale_strides = (a_scale_inv.stride(0), b_scale_inv.stride(0)) if block_scaled else (0, 0)
     kernel[grid](a, b, y, a_scale_inv, b_scale_inv, m, n, k, a.stride(0), b.stride(0), y.stride(0),
-                 *scale_strides, BLOCK_SCALED=block_scaled, **TILE, **LAUNCH)
+                 *scale_strides, BLOCK_SCALED=block_scaled, B_ROW_SCALED=b_row_scaled, **TILE, **LAUNCH)
     return y

@@ -101,6 +101,31 @@ def test_exact_gemm_with_row_scales_is_row_invariant():
         torch.testing.assert_close(full, a.dequantize() @ b.dequantize().t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("weight_block", [(1, 128), (128, 128)])
+def test_exact_gemm_with_group_scales_is_row_invariant(weight_block):
+    """1x128 activation groups x 1x128 or 128x128 weight blocks, K = 576 (a partial last group):
+    each output is the sum over groups, in K order, of the group's exact FP8 sum (oracle: Fraction
+    arithmetic) times its two multipliers, in fp64 (oracle: Python floats, which are IEEE fp64),
+    rounded once to fp32; a row alone or in a batch has the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 576, generator=gen) * torch.logspace(-2, 1, 576)
+    a = quantize_blockwise(x, E4M3, (1, 128))
+    b = quantize_blockwise(torch.randn(130, 576, generator=gen) * 0.05, E4M3, weight_block)
+    full = fp8_matmul_nt(a, b, "exact")
+    a_codes, b_codes = a.data.float().tolist(), b.data.float().tolist()
+    for i, j in ((0, 0), (7, 129), (23, 64)):
+        total = 0.0
+        for g in range(5):
+            exact = sum(Fraction(p) * Fraction(q) for p, q in
+                        zip(a_codes[i][g * 128:(g + 1) * 128], b_codes[j][g * 128:(g + 1) * 128]))
+            total += float(exact) * a.scale_inv[i, g].item() * b.scale_inv[j // weight_block[0], g].item()
+        assert full[i, j].item() == float(torch.tensor(total, dtype=torch.float64).float())
+    rows = [fp8_matmul_nt(Fp8Tensor(a.data[i:i + 1], a.scale_inv[i:i + 1], "block", (1, 128)), b, "exact")
+            for i in range(24)]
+    assert torch.equal(torch.cat(rows), full)
+    torch.testing.assert_close(full, a.dequantize() @ b.dequantize().t(), rtol=1e-5, atol=1e-4)
+
+
 def _rows(t, rows):
     index = torch.tensor([rows]) if isinstance(rows, int) else rows
     return quantize_with_scale_inv(t.data.float()[index], torch.tensor(1.0), E4M3)

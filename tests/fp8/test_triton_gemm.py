@@ -38,7 +38,8 @@ def _operands(scheme: str, m=M, n=N, k=K, seed=0):
     w = torch.randn(n, k, generator=gen) * 0.05
     if scheme == "tensor":
         return quantize_per_tensor(x, E4M3), quantize_per_tensor(w, E4M3)
-    return quantize_blockwise(x, E4M3, ACTIVATION_BLOCK), quantize_blockwise(w, E4M3, WEIGHT_BLOCK)
+    weight_block = WEIGHT_BLOCK if scheme == "block" else ACTIVATION_BLOCK  # "group": 1x128 weights
+    return quantize_blockwise(x, E4M3, ACTIVATION_BLOCK), quantize_blockwise(w, E4M3, weight_block)
 
 
 def _magnitude(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
@@ -60,8 +61,9 @@ def test_per_tensor_agrees_with_exact_oracle_within_fp32_accumulation():
     assert bool((error <= bound).all())
 
 
-def test_block_scaled_agrees_with_dequantize_matmul_within_fp32_accumulation():
-    a, b = _operands("block")
+@pytest.mark.parametrize("scheme", ["block", "group"])
+def test_block_scaled_agrees_with_dequantize_matmul_within_fp32_accumulation(scheme):
+    a, b = _operands(scheme)
     y = fp8_matmul_nt(a, b, "triton_invariant")
     reference = a.dequantize().double() @ b.dequantize().double().t()
     bound = 1.01 * (128 + 2 + K // 128) * U * _magnitude(a, b)
@@ -70,7 +72,7 @@ def test_block_scaled_agrees_with_dequantize_matmul_within_fp32_accumulation():
     assert bool((error <= bound).all())
 
 
-@pytest.mark.parametrize("scheme", ["tensor", "block"])
+@pytest.mark.parametrize("scheme", ["tensor", "block", "group"])
 def test_rows_are_bit_identical_whatever_the_batch(scheme):
     a, b = _operands(scheme)
     full = fp8_matmul_nt(a, b, "triton_invariant")
@@ -127,6 +129,12 @@ def test_block_scales_of_the_wrong_shape_are_refused():
     a, b = _operands("block")
     with pytest.raises(ValueError, match=r"a_scale_inv .* shape \(70, 3\).*found torch.float32 \(70, 4\)"):
         fp8_matmul_nt(Fp8Tensor(a.data, torch.ones(70, 4), "block", ACTIVATION_BLOCK), b, "triton_invariant")
+
+
+def test_group_scales_of_the_wrong_shape_are_refused():
+    a, b = _operands("group")
+    with pytest.raises(ValueError, match=r"b_scale_inv .* shape \(200, 3\).*1x128 group scales.*found torch.float32 \(2, 3\)"):
+        fp8_matmul_nt(a, Fp8Tensor(b.data, torch.ones(2, 3), "block", ACTIVATION_BLOCK), "triton_invariant")
 
 
 def test_layouts_without_a_kernel_are_refused():
