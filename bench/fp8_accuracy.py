@@ -9,6 +9,8 @@ quantizers (the values an FP8 GEMM multiplies; its fp32 accumulation differs onl
     tensor/token    weights per tensor, activations per token (row-wise, batch-invariant)
     channel/token   weights per output channel, activations per token
     block/group     weights per 128x128 block, activations per 1x128 group (DeepSeek/SGLang)
+    group/group     weights per 1x128 group (each output channel's K in groups of 128),
+                    activations per 1x128 group: the `groupwise` recipe, aligned rollouts' default
 The baseline is the same model in float32, measured in the same run: greedy accuracy on the same
 problems (with the problems gained/lost and McNemar's p), and mean |Δlogp| over the response
 tokens of float32's own greedy answers (teacher-forced).
@@ -55,9 +57,10 @@ def per_block(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return quantize_blockwise(flat, E4M3, block).dequantize().reshape(x.shape)
 
 
-WEIGHTS = {"tensor": per_tensor, "channel": per_row, "block": lambda w: per_block(w, (128, 128))}
+WEIGHTS = {"tensor": per_tensor, "channel": per_row, "block": lambda w: per_block(w, (128, 128)),
+           "group": lambda w: per_block(w, (1, 128))}
 ACTIVATIONS = {"token": per_row, "group": lambda x: per_block(x, (1, 128))}
-GRANULARITIES = ("tensor/static", "tensor/token", "channel/token", "block/group")
+GRANULARITIES = ("tensor/static", "tensor/token", "channel/token", "block/group", "group/group")
 
 
 def decoder_linears(model) -> list[torch.nn.Linear]:

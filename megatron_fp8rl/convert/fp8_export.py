@@ -5,9 +5,10 @@ norms, and optionally the first/last N layers), quantizing them with megatron_fp
 optional static activation scales from a prompt-set calibration or from the calibrated recipe's
 bounds, and writing safetensors plus a config.json whose `quantization_config` SGLang's `fp8`
 method parses:
-- block:  weight E4M3 [N, K] + `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)] (dequant
-          multipliers), activations quantized dynamically per token group;
-          {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}.
+- block:  weight E4M3 [N, K] + `weight_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)] (dequant
+          multipliers; `weight_block` bn x bk, 128x128 by default, 1x128 for aligned rollouts of
+          the groupwise recipe), activations quantized dynamically per token group;
+          {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [bn, bk]}.
 - tensor: weight E4M3 + `weight_scale` fp32 [] (dequant multiplier) and, when static,
           `input_scale` fp32 [] = bound / 448; {quant_method: fp8, fmt: e4m3, activation_scheme}.
 Tensors stream one at a time (HF source) or one Megatron layer slice at a time.
@@ -57,7 +58,9 @@ class Fp8ExportOptions:
     """How to quantize."""
 
     scheme: str = "block"
-    """'block' (128x128 weight scales, dynamic activations) or 'tensor' (one scale per weight)."""
+    """'block' (weight scales per `weight_block`, dynamic activations) or 'tensor' (one scale per weight)."""
+    weight_block: tuple[int, int] = WEIGHT_BLOCK
+    """scheme 'block': rows x columns of weight per scale."""
     activation_scheme: str = "dynamic"
     """'dynamic' or, for scheme 'tensor' only, 'static' (needs input bounds)."""
     keep_first_layers: int = 0
@@ -75,6 +78,8 @@ class Fp8ExportOptions:
             raise ValueError(f"activation_scheme must be dynamic or static, not {self.activation_scheme!r}")
         if self.activation_scheme == "static" and self.scheme != "tensor":
             raise ValueError("static activation scales need scheme 'tensor' (block scales are dynamic)")
+        if len(self.weight_block) != 2 or min(self.weight_block) < 1:
+            raise ValueError(f"weight_block must be two positive integers, found {self.weight_block!r}")
 
 
 def quantized_module(name: str, num_layers: int, options: Fp8ExportOptions) -> str | None:
@@ -91,7 +96,7 @@ def quantized_module(name: str, num_layers: int, options: Fp8ExportOptions) -> s
 def quantize_weight(module: str, weight: torch.Tensor, options: Fp8ExportOptions) -> Fp8Tensor:
     """The FP8 weight of `module` (the quantizer of the chosen scheme, megatron_fp8rl.fp8)."""
     if options.scheme == "block":
-        return quantize_blockwise(weight, E4M3, WEIGHT_BLOCK)
+        return quantize_blockwise(weight, E4M3, tuple(options.weight_block))
     bound = options.bounds.get(module, {}).get("weight")
     bound = finite_amax(weight) if bound is None else torch.tensor(float(bound))
     # Quantized through the stored multiplier, as the rollout engine and the trainer's frozen-scale
@@ -118,7 +123,7 @@ def output_entries(name, shape, dtype, num_layers, options) -> list[tuple[str, t
     if module is None:
         return [(name, dtype, tuple(shape))]
     if options.scheme == "block":
-        scale_shape = tuple(-(-d // b) for d, b in zip(shape, WEIGHT_BLOCK))
+        scale_shape = tuple(-(-d // b) for d, b in zip(shape, options.weight_block))
     else:
         scale_shape = ()
     entries = [(name, E4M3.dtype, tuple(shape)), (_scale_name(module, options), torch.float32, scale_shape)]
@@ -151,7 +156,7 @@ def quantization_config(hf: dict, options: Fp8ExportOptions) -> dict:
               "modules_to_not_convert": ["lm_head", "model.embed_tokens"]
               + [f"model.layers.{i}.{m}" for i in kept for m in linears]}
     if options.scheme == "block":
-        config["weight_block_size"] = list(WEIGHT_BLOCK)
+        config["weight_block_size"] = list(options.weight_block)
     return config
 
 

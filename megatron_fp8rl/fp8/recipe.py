@@ -4,7 +4,7 @@ Owns: `CalibratedDelayedScaling` (our recipe, see DESIGN.md "Calibrated delayed 
 baselines our FP8 linear offers: `DelayedScaling` (TE semantics; `te_default_delayed()` = history
 1024 'max', `megatron_default_delayed()` = history 1 'most_recent'), `CurrentScaling` (tensorwise,
 from each tensor's own amax) and `BlockwiseScaling` (128x128 weights, 1x128 activations and
-gradients). These specs are TE-free: our FP8 linear reads them directly, and
+gradients; `groupwise()`: 1x128 weight groups too). These specs are TE-free: our FP8 linear reads them directly, and
 megatron_fp8rl/compat/te_recipe.py translates `CalibratedDelayedScaling` into a subclass of TE's
 `DelayedScaling`, so both tiers compute scales from the same fields with the same functions.
 Must not import: megatron, transformer_engine, megatron_fp8rl.compat or anything above layer L0.
@@ -152,12 +152,22 @@ def megatron_default_delayed(fp8_format: str = "hybrid") -> DelayedScaling:
     )
 
 
+def groupwise(fp8_format: str = "e4m3") -> BlockwiseScaling:
+    """Blockwise current scaling with 1x128 weight groups (each output channel's K in groups of
+    128) as well as 1x128 activation and gradient groups. Every scale belongs to one row, so any
+    split of a weight's rows (fused q/k/v and gate/up, column-parallel TP shards) quantizes
+    exactly as its parts do alone, and a token's quantization depends on that token only: what
+    aligned rollouts need of a recipe that keeps no state. Accuracy: bench/fp8_accuracy.py."""
+    return BlockwiseScaling(fp8_format=fp8_format, weight_block=ACTIVATION_BLOCK, activation_block=ACTIVATION_BLOCK)
+
+
 RECIPE_NAMES = {
     "calibrated": CalibratedDelayedScaling,
     "te_delayed": te_default_delayed,
     "megatron_delayed": megatron_default_delayed,
     "tensorwise": CurrentScaling,
     "blockwise": BlockwiseScaling,
+    "groupwise": groupwise,
 }
 """Recipe name -> factory taking the recipe's keyword fields."""
 

@@ -28,8 +28,8 @@ OUR_FP8_METHOD = "fp8rl"
 ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
 """none: serve the checkpoint's dtype; blockwise: 128x128 weight blocks with 1x128 activation
 groups; per_tensor: per-tensor weights, activations per `activation_scheme`; aligned: the trainer's
-own per-tensor FP8 weights and static activation bounds (the served checkpoint is per-tensor
-static; weight syncs carry the trainer's scales)."""
+own FP8 quantization (a per-tensor static checkpoint whose weight syncs carry the trainer's
+scales, or, for the groupwise trainer recipe, a 1x128 block checkpoint with dynamic groups)."""
 FP8_BACKENDS = ("ours", "sglang")
 """ours: megatron_fp8rl's method (our fp8/ arithmetic, runs on CPU; the only one that makes
 aligned rollouts bit-identical to the trainer); sglang: SGLang's native `fp8` kernels (GPU, or
@@ -92,14 +92,17 @@ class SGLangConfig:
             raise ValueError("SGLangConfig: fp8=aligned needs fp8_backend='ours' (SGLang's native "
                              "kernels do not compute the trainer's FP8 arithmetic)")
 
-    def fp8_layout(self) -> tuple[str, str] | None:
-        """(scheme 'block'|'tensor', activation scheme) the served checkpoint must have; None
-        when the rollout is not FP8."""
+    def fp8_layouts(self) -> tuple[tuple[str, str], ...]:
+        """The (scheme 'block'|'tensor', activation scheme) layouts the served checkpoint may
+        have; () when the rollout is not FP8. aligned: per-tensor static (a shared-scale trainer
+        recipe) or block dynamic (a row-group recipe's 1x128 weight groups)."""
         if self.fp8 == "none":
-            return None
+            return ()
         if self.fp8 == "blockwise":
-            return "block", "dynamic"
-        return "tensor", "static" if self.fp8 == "aligned" else self.activation_scheme
+            return (("block", "dynamic"),)
+        if self.fp8 == "aligned":
+            return ("tensor", "static"), ("block", "dynamic")
+        return (("tensor", self.activation_scheme),)
 
     def resolved_device(self) -> str:
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,8 +125,8 @@ def check_fp8_checkpoint(config: SGLangConfig) -> None:
     high-precision checkpoint, or the reverse, is refused naming what was found)."""
     path = check_model_dir(config.model_path)
     quant = json.loads((path / "config.json").read_text()).get("quantization_config")
-    layout = config.fp8_layout()
-    if layout is None:
+    layouts = config.fp8_layouts()
+    if not layouts:
         if quant:
             raise RolloutEngineError(f"{path}/config.json has a quantization_config ({quant.get('quant_method')}) "
                                      "but the rollout fp8 mode is none; set fp8 to the checkpoint's layout")
@@ -132,9 +135,10 @@ def check_fp8_checkpoint(config: SGLangConfig) -> None:
         raise RolloutEngineError(f"rollout fp8={config.fp8} needs an FP8 checkpoint; {path}/config.json has "
                                  f"quantization_config {quant!r} (export one with megatron-fp8rl convert export-fp8)")
     found = ("block" if quant.get("weight_block_size") else "tensor", quant.get("activation_scheme", "dynamic"))
-    if found != layout:
+    if found not in layouts:
+        expected = " or ".join(f"{scheme}/{activations}" for scheme, activations in layouts)
         raise RolloutEngineError(f"rollout fp8={config.fp8} (activation_scheme={config.activation_scheme}) "
-                                 f"expects a {layout[0]}/{layout[1]} FP8 checkpoint; {path} is {found[0]}/{found[1]}")
+                                 f"expects a {expected} FP8 checkpoint; {path} is {found[0]}/{found[1]}")
 
 
 def engine_kwargs(config: SGLangConfig) -> dict:

@@ -11,8 +11,9 @@ Checkpoint layouts served (what convert/fp8_export.py writes; `quant_method: fp8
   with `activation_scheme: static`, `input_scale` (one per shard; the max is used, as SGLang's own
   fp8 does). Dynamic activations are quantized per token (row-wise), which no batch neighbour can
   change (DESIGN hazard 2).
-- block: weight E4M3 + `weight_scale_inv` [ceil(n/128), ceil(K/128)] per fused shard, activations
-  in 1x128 groups per token.
+- block: weight E4M3 + `weight_scale_inv` [ceil(n/bn), ceil(K/bk)] per fused shard for the
+  config's `weight_block_size` [bn, bk] (128x128, or 1x128 for the groupwise recipe's aligned
+  rollouts), activations in 1x128 groups per token.
 Arithmetic (DESIGN hazard 3): static per-tensor activations with a uniform weight scale (the
 aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv` then the
 trainer's own `fp8_matmul_nt` (fp8/linear.py) with the config's GEMM, by default
@@ -20,11 +21,13 @@ trainer's own `fp8_matmul_nt` (fp8/linear.py) with the config's GEMM, by default
 not depend on the batch, so decode steps and the trainer's whole-sequence recompute agree), bias
 added in fp32, cast to the activation dtype. Other layouts (block scales, dynamic per-token
 activations, fused shards with unequal weight scales) dequantize the same FP8 values and run one
-fp32 matmul (what the trainer does for non-per-tensor operands; not batch-invariant on GPU, and
-the aligned mode never uses them), unless the config names 'triton_invariant': then block
-weights whose fused shards tile the 128x128 grid run the Triton kernel with 1x128 activation
-groups, and every layout it has no kernel for raises.
-SGLang 0.5.23 facts this relies on: fused qkv/gate_up layers load one scale per shard through the
+fp32 matmul (what the trainer does for non-per-tensor operands; not batch-invariant on GPU),
+except block weights whose fused shards tile their block grid (always so for 1x128 groups): those
+run `fp8_matmul_nt` with 1x128 activation groups, the trainer's groupwise arithmetic ('exact' on
+CPU: per-group exact sums; the Triton kernel on CUDA). A config naming 'triton_invariant' raises
+for every layout the kernel has no code for.
+SGLang 0.5.23 facts this relies on: the config's `weight_block_size` attribute must be square or
+None (SGLang's CPU padding asserts it; 1x128 groups are kept as `block` only); fused qkv/gate_up layers load one scale per shard through the
 parameter's own `weight_loader(param, tensor, shard_id)`; the class name must be in
 `layers.linear.WEIGHT_LOADER_V2_SUPPORTED` so the FP8 weight loads through the v2 loader; Llama's
 loader renames `weight_scale_inv` to `weight_scale` (Qwen's does not), so block scales answer to
@@ -94,7 +97,13 @@ class Fp8RLConfig(QuantizationConfig):
                 raise ValueError(f"{OUR_FP8_METHOD}: block scales need a 2-D weight_block_size and dynamic "
                                  f"activations; found {weight_block_size}, {activation_scheme}")
             weight_block_size = [int(b) for b in weight_block_size]
-        self.weight_block_size = weight_block_size
+        self.block = tuple(weight_block_size) if weight_block_size is not None else None
+        """The weight block (rows, columns) of a block checkpoint; None per tensor."""
+        # SGLang reads `weight_block_size` to pad heads and MLP widths for CPU tensor parallelism
+        # and asserts it is square (configs/update_config.py); 1xN groups split anywhere, so they
+        # need no padding and are not shown to it.
+        square = self.block is not None and self.block[0] == self.block[1]
+        self.weight_block_size = weight_block_size if square else None
         self.activation_scheme = activation_scheme
         self.ignored_layers = [name.removeprefix("model.") for name in ignored_layers]
 
@@ -157,7 +166,7 @@ class Fp8RLLinearMethod(LinearMethodBase):
 
     def __init__(self, config: Fp8RLConfig, prefix: str):
         self.config, self.prefix = config, prefix
-        self.block = tuple(config.weight_block_size) if config.weight_block_size else None
+        self.block = config.block
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra):
@@ -262,8 +271,8 @@ class Fp8RLLinearMethod(LinearMethodBase):
                              f"{self.block} grid; found shard widths {layer.fp8rl_shards}")
         if isinstance(w_q, _Dequantized):
             y = x_q.dequantize() @ w_q.values.t()
-        elif self.config.gemm == "triton_invariant" or x_q.granularity == w_q.granularity == "tensor":
-            y = fp8_matmul_nt(x_q, w_q, resolve_gemm(self.config.gemm, x.device))
+        elif self.config.gemm == "triton_invariant" or x_q.granularity == w_q.granularity:
+            y = fp8_matmul_nt(x_q, w_q, resolve_gemm(self.config.gemm, x.device))  # tensor or block both
         else:  # row or block scales under the default GEMMs: not the aligned layout
             y = x_q.dequantize() @ w_q.dequantize().t()
         if bias is not None:

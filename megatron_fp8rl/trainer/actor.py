@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -124,24 +125,26 @@ class MegatronActor:
 
     def train(self, micro_batches: list[dict[str, torch.Tensor]],
               loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]],
-              served_scales: dict | None = None) -> StepResult:
+              as_served: bool = False, served_scales: dict | None = None) -> StepResult:
         """One optimizer step; `loss_fn(batch, logprobs, entropy)` returns (loss, metrics).
 
-        `served_scales` (aligned FP8 rollouts, on an update's first mini-batch, where θ = θ_old):
-        the forward computes exactly what the rollout engine and the recompute computed, so the
-        PPO ratio is exactly 1 there: the FP8 scales the engine served (the live quantizers still
-        observe every tensor and advance, `frozen_fp8(observe=True)`), the exact GEMM, SGLang's
-        attention calls (`_forward_as_served`, whose gradient is the batched call's). The
-        backward is the usual one. None: the live scales and one batched attention call."""
+        `as_served` (aligned FP8 rollouts, on an update's first mini-batch, where θ = θ_old): the
+        forward computes exactly what the rollout engine and the recompute computed, so the PPO
+        ratio is exactly 1 there: SGLang's attention calls (`_forward_as_served`, whose gradient
+        is the batched call's), the batch-invariant GEMM the actor was built with and, for a
+        shared-scale recipe, `served_scales`, the FP8 scales the engine served (the live
+        quantizers still observe every tensor and advance, `frozen_fp8(observe=True)`). The
+        backward is the usual one. Otherwise: the live scales and one batched attention call."""
 
         def loss(batch, logits):
             logprobs, entropy = self.token_logprobs(batch, logits)
             return loss_fn(batch, logprobs, entropy)
 
         seq = micro_batches[0]["tokens"].shape[1]
-        if served_scales is None:
+        if not as_served:
             return train_step(self.model, self.optimizer, micro_batches, self._forward, loss, seq)
-        with self.frozen_fp8(served_scales, observe=True):
+        frozen = nullcontext() if served_scales is None else self.frozen_fp8(served_scales, observe=True)
+        with frozen:
             return train_step(self.model, self.optimizer, micro_batches, self._forward_as_served, loss, seq)
 
     def fp8_metrics(self) -> dict[str, float]:

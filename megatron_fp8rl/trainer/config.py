@@ -23,7 +23,14 @@ ROLLOUT_MODES = ("colocated", "disaggregated")
 WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
 ACTIVATION_SCHEMES = ("dynamic", "static")
 FP8_BACKENDS = ("ours", "sglang")
-TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise")
+TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise", "groupwise")
+SHARED_SCALE_RECIPES = ("calibrated", "te_delayed", "megatron_delayed")
+"""Trainer recipes aligned rollouts serve by sharing their per-tensor weight and input scales
+(served at each sync, frozen by the trainer's recompute and first forward; rollout_fp8.py)."""
+ROW_GROUP_RECIPES = ("groupwise",)
+"""Trainer recipes aligned rollouts serve by recomputing them: stateless 1x128 groups of a row,
+the same on both sides from the same weights and tokens, nothing to share."""
+ALIGNED_RECIPES = SHARED_SCALE_RECIPES + ROW_GROUP_RECIPES
 CLIP_CALIBRATIONS = ("none", "shadow")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -95,7 +102,8 @@ class RolloutConfig:
     """Rollout FP8 (one of ROLLOUT_FP8): none (serve `dtype`); blockwise (128x128 weight blocks,
     1x128 activation groups: SGLang's native FP8 format); per_tensor (per-tensor weights,
     activations per `activation_scheme`); aligned (the trainer's own FP8 weights and bounds, so
-    trainer and rollout quantize bit-identically; needs an FP8 trainer recipe in model.fp8)."""
+    trainer and rollout quantize bit-identically; needs model.fp8 in ALIGNED_RECIPES: groupwise,
+    within 1 point of float32's accuracy, or a per-tensor recipe such as calibrated)."""
     activation_scheme: str = "dynamic"
     """per_tensor activations: dynamic (per-token scales) or static (calibrated input_scale)."""
     fp8_backend: str = "ours"
@@ -401,6 +409,12 @@ class RunConfig:
                "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "
                f"without FP8 rollouts (rollout.fp8={self.rollout.fp8!r}) SGLang must serve the trainer's "
                "dtype, or every logprob carries the dtype gap; set them equal")
+        _check(self.rollout.fp8 != "aligned" or self.model.fp8 in ALIGNED_RECIPES, "model.fp8",
+               f"rollout.fp8=aligned serves the trainer's own FP8 quantization: model.fp8 must be one of "
+               f"{ALIGNED_RECIPES}, found {self.model.fp8!r}"
+               + (" (blockwise's 128x128 weight blocks cut across the q/k/v rows Megatron fuses and "
+                  "interleaves, so SGLang's per-tensor blocks differ; groupwise's 1x128 groups do not)"
+                  if self.model.fp8 == "blockwise" else ""))
         _check(not (self.rollout.fp8 == "aligned" and self.model.fp8_backend == "te"), "model.fp8_backend",
                "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
                "arithmetic; use model.fp8_backend=ours")

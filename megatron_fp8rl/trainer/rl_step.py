@@ -26,7 +26,7 @@ from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
 from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch, micro_batches, split_mini_batches
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.objective import loss_denominator, make_loss_fn, noise_levels, step_noise_floor
-from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT, rollout_tensors, served_scales
+from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT, rollout_tensors, served_scales, shares_scales
 
 
 @dataclass
@@ -163,9 +163,10 @@ def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
 
 
 def _served_scales(ctx: StepContext) -> dict | None:
-    """Aligned FP8 rollouts: the FP8 scales the rollout engine serves now (from the last weight
-    sync, or before the first one from the start-up FP8 checkpoint, rollout_fp8.py); else None."""
-    if ctx.cfg.rollout.fp8 != "aligned":
+    """Aligned FP8 rollouts of a shared-scale recipe: the FP8 scales the rollout engine serves now
+    (from the last weight sync, or before the first one from the start-up FP8 checkpoint,
+    rollout_fp8.py); else None (a row-group recipe's scales are recomputed, not shared)."""
+    if not shares_scales(ctx.cfg.rollout.fp8, ctx.cfg.model.fp8):
         return None
     if ctx.actor.rollout_scales is None:
         ctx.actor.rollout_scales = served_scales(Path(ctx.cfg.run_dir) / ROLLOUT_CHECKPOINT)
@@ -177,7 +178,8 @@ def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | N
     """One optimizer step per mini-batch on this rank's DP slice; metrics averaged over steps.
     `old_logprobs` None: bypass mode, where the first mini-batch measures the noise floor (objective.py).
     Aligned FP8 rollouts: the first mini-batch (θ = θ_old) trains on a forward in the rollout's
-    own arithmetic (MegatronActor.train's served_scales), so its PPO ratio is exactly 1.
+    own arithmetic (MegatronActor.train's `as_served`, with the served scales of a shared-scale
+    recipe), so its PPO ratio is exactly 1.
     Calibrated Clipping: the bounds in force clip every mini-batch; a calibrating step also runs
     the shadow forwards on mini-batch m* and recalibrates (trainer/clip_calibration.py)."""
     cfg, calibrator = ctx.cfg, ctx.clip_calibrator
@@ -197,7 +199,9 @@ def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | N
         loss_fn = make_loss_fn(cfg, loss_denominator(cfg, mini, dp_size), noise,
                                at_old_policy=index == 0, clip_bounds=calibrator and calibrator.calibrated,
                                capture=captured if index == target else None)
-        results.append(ctx.actor.train(micro, loss_fn, _served_scales(ctx) if index == 0 else None))
+        first_aligned = index == 0 and cfg.rollout.fp8 == "aligned"
+        results.append(ctx.actor.train(micro, loss_fn, as_served=first_aligned,
+                                       served_scales=_served_scales(ctx) if first_aligned else None))
         if noise is None:
             noise = NoiseFloor.from_metrics(results[0].metrics, noise_levels(cfg.algorithm))
     metrics = _mean_metrics(results)
@@ -253,12 +257,12 @@ def sync_weights(ctx: StepContext, version: int) -> None:
     scales and keeps them for the next old-logprob recompute."""
     directory = ctx.actor.save_weights(ctx.sync_dir)
     mode = ctx.cfg.rollout.fp8
-    scales = ctx.actor.aligned_scales() if mode == "aligned" else None
+    scales = ctx.actor.aligned_scales() if shares_scales(mode, ctx.cfg.model.fp8) else None
     if _colocated_engine(ctx):
         ctx.engine.resume_memory(["weights"])  # back before they are written; no-op unless released
     if ctx.engine is not None:
         tensors = rollout_tensors(ctx.actor.hf_tensors(directory),
-                                  int(ctx.actor.hf_config["num_hidden_layers"]), mode, scales)
+                                  int(ctx.actor.hf_config["num_hidden_layers"]), mode, scales, ctx.cfg.model.fp8)
         ctx.engine.update_weights(tensors, version=version)
     if _colocated_engine(ctx):
         ctx.engine.resume_memory()  # KV cache and CUDA graphs

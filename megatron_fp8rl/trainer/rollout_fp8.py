@@ -5,8 +5,12 @@ Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
 - blockwise / per_tensor: the trainer's high-precision weights quantized as the exporter does
   (convert/fp8_export.py: 128x128 blocks, or one scale per HF tensor; per_tensor static keeps the
   input scales calibrated at start, since a high-precision trainer has no activation bounds).
-- aligned: the trainer's own FP8 quantization. Each Megatron FP8 linear has one weight and one
-  input scale (shared by its fused q/k/v or gate/up shards and, through the amax reduction, by its
+- aligned with a row-group recipe (config.ROW_GROUP_RECIPES: groupwise): the trainer quantizes
+  every weight row and every token in 1x128 groups from their own values, so the served checkpoint
+  is the exporter's block layout with 1x128 weight groups (fused shards quantize as their parts)
+  and SGLang's fp8rl method quantizes activations as the trainer does: nothing to share or freeze.
+- aligned with a shared-scale recipe (config.SHARED_SCALE_RECIPES): the trainer's own per-tensor
+  FP8 quantization. Each Megatron FP8 linear has one weight and one input scale (shared by its fused q/k/v or gate/up shards and, through the amax reduction, by its
   TP shards); the served checkpoint holds exactly those as `weight_scale` / `input_scale` of every
   HF shard, and the trainer recomputes old logprobs with the same multipliers frozen
   (`compat.megatron_fp8_linear.frozen_fp8_scales`). At start, before the trainer has recorded any
@@ -35,6 +39,7 @@ from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.quantize import finite_amax, quantize_with_scale_inv
 from megatron_fp8rl.fp8.recipe import recipe_by_name
+from megatron_fp8rl.trainer.config import ALIGNED_RECIPES, ROW_GROUP_RECIPES, SHARED_SCALE_RECIPES
 
 ROLLOUT_CHECKPOINT = "rollout_fp8"
 """Folder (under the run directory) of the FP8 checkpoint the rollout engine starts from."""
@@ -45,23 +50,29 @@ HF_MODULES = {
     "mlp.linear_fc2": ("mlp.down_proj",),
 }
 """Megatron linear path -> the HF linears it is fused from (convert/tables.py layouts)."""
-ALIGNED_RECIPES = ("calibrated", "te_delayed", "megatron_delayed")
-"""Trainer recipes with one per-tensor weight and input scale to share with the rollout."""
-
 Scales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def check_rollout_fp8(rollout_fp8: str, trainer_fp8: str) -> None:
-    """aligned needs a per-tensor stateful trainer recipe; ValueError naming the keys."""
+    """aligned needs a trainer recipe the rollout can serve (config.ALIGNED_RECIPES); ValueError
+    naming the keys."""
     if rollout_fp8 == "aligned" and trainer_fp8 not in ALIGNED_RECIPES:
-        raise ValueError(f"rollout.fp8=aligned shares the trainer's FP8 scales: model.fp8 must be one of "
+        raise ValueError(f"rollout.fp8=aligned serves the trainer's FP8 quantization: model.fp8 must be one of "
                          f"{ALIGNED_RECIPES}, found {trainer_fp8!r}")
 
 
-def export_options(rollout_fp8: str, activation_scheme: str, bounds=None) -> Fp8ExportOptions:
-    """The exporter's options for a rollout FP8 mode (aligned: per-tensor, static)."""
+def shares_scales(rollout_fp8: str, trainer_fp8: str) -> bool:
+    """Whether the rollout serves the trainer's per-tensor scales (aligned, shared-scale recipe)."""
+    return rollout_fp8 == "aligned" and trainer_fp8 in SHARED_SCALE_RECIPES
+
+
+def export_options(rollout_fp8: str, activation_scheme: str, bounds=None, trainer_fp8: str = "") -> Fp8ExportOptions:
+    """The exporter's options for a rollout FP8 mode (aligned: the trainer recipe's 1x128 weight
+    groups for a row-group recipe, else per-tensor static)."""
     if rollout_fp8 == "blockwise":
         return Fp8ExportOptions(scheme="block")
+    if rollout_fp8 == "aligned" and trainer_fp8 in ROW_GROUP_RECIPES:
+        return Fp8ExportOptions(scheme="block", weight_block=recipe_by_name(trainer_fp8).weight_block)
     static = rollout_fp8 == "aligned" or activation_scheme == "static"
     return Fp8ExportOptions(scheme="tensor", activation_scheme="static" if static else "dynamic",
                             bounds=bounds or {})
@@ -87,7 +98,7 @@ def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, ac
     if rollout_fp8 == "none":
         return Path(hf_path)
     check_rollout_fp8(rollout_fp8, trainer_fp8)
-    options = export_options(rollout_fp8, activation_scheme)
+    options = export_options(rollout_fp8, activation_scheme, trainer_fp8=trainer_fp8)
     bounds = None
     if options.activation_scheme == "static":
         bounds = calibrate_input_bounds(Path(hf_path), calibration_prompts)
@@ -146,18 +157,21 @@ def served_scales(fp8_dir: Path) -> Scales:
 
 
 def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, rollout_fp8: str,
-                    scales: Scales | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    scales: Scales | None = None, trainer_fp8: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors a weight sync sends for rollout mode `rollout_fp8`: high-precision as is
     (none), quantized like the exporter (blockwise, per_tensor: weight and weight scale; a static
-    checkpoint keeps its input scales), or quantized with the trainer's `scales` (aligned: weight,
-    weight_scale and input_scale of every HF linear)."""
+    checkpoint keeps its input scales; aligned with a row-group `trainer_fp8`: weight and its
+    1x128 group scales), or quantized with the trainer's `scales` (aligned with a shared-scale
+    recipe: weight, weight_scale and input_scale of every HF linear)."""
     if rollout_fp8 == "none":
         yield from named
         return
-    options = export_options(rollout_fp8, "dynamic")
+    options = export_options(rollout_fp8, "dynamic", trainer_fp8=trainer_fp8)
+    if rollout_fp8 == "aligned" and options.scheme == "tensor" and scales is None:
+        raise ValueError(f"aligned rollouts of trainer recipe {trainer_fp8!r} send the trainer's scales: none given")
     for name, tensor in named:
         module = quantized_module(name, num_layers, options)
-        if module is None or rollout_fp8 != "aligned":
+        if module is None or scales is None:
             yield from export_tensor(name, tensor, num_layers, options).items()
             continue
         weight_inv, input_inv = scales[_megatron_linear(module)]

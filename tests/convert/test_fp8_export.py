@@ -144,3 +144,29 @@ def test_families_without_a_table_are_refused_by_name(hf_dir, tmp_path, architec
     with pytest.raises(CheckpointError, match=rf"unsupported architecture \['{architecture}'\]; supported:"):
         export_fp8(other, tmp_path / "out", Fp8ExportOptions(), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_groupwise_aligned_checkpoint_and_sync_hold_the_trainers_1x128_groups(hf_dir, tmp_path):
+    """rollout.fp8=aligned with the groupwise trainer recipe: the start checkpoint and every sync
+    quantize each HF weight in 1x128 groups exactly as the recipe's quantizer does (a row's
+    groups depend on that row only, so the trainer's fused q/k/v and gate/up rows quantize the
+    same), and the config shows SGLang 1x128 blocks with dynamic activation groups."""
+    from megatron_fp8rl.fp8.quantizer import make_quantizers
+    from megatron_fp8rl.fp8.recipe import groupwise
+    from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors
+
+    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "served", "aligned", "dynamic", "groupwise", [])
+    original, exported = load_file(hf_dir / "model.safetensors"), load_file(served / "model.safetensors")
+    synced = dict(rollout_tensors(original.items(), 3, "aligned", None, "groupwise"))
+    assert synced.keys() == exported.keys()
+    quantizer = make_quantizers(groupwise()).weight
+    for scale_name in [n for n in exported if n.endswith("weight_scale_inv")]:
+        name = scale_name.replace("_scale_inv", "")
+        expected = quantizer.quantize(original[name])
+        rows, columns = original[name].shape
+        assert expected.block == (1, 128) and exported[scale_name].shape == (rows, -(-columns // 128))
+        for source in (exported, synced):
+            assert torch.equal(source[name].view(torch.uint8), expected.data.view(torch.uint8)), name
+            assert torch.equal(source[scale_name], expected.scale_inv), scale_name
+    config = json.loads((served / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] == [1, 128] and config["activation_scheme"] == "dynamic"

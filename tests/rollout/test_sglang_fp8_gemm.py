@@ -15,7 +15,7 @@ from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.linear import fp8_linear
 from megatron_fp8rl.fp8.quantize import WEIGHT_BLOCK, quantize_blockwise, quantize_with_scale_inv
 from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers
-from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling
+from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, groupwise
 from tests.rollout.conftest import needs_sglang
 
 pytestmark = [needs_sglang, pytest.mark.triton]
@@ -49,7 +49,7 @@ def _served(plugin, config, shard_weights: dict, shard_scales: dict, input_scale
     k = next(iter(shard_weights.values())).shape[1]
     method.create_weights(layer, k, widths, k, sum(widths), torch.float32)
     layer.weight.data.copy_(torch.cat(list(shard_weights.values())))
-    scale = layer.weight_scale_inv if config.weight_block_size else layer.weight_scale
+    scale = layer.weight_scale_inv if config.block else layer.weight_scale
     for shard, value in shard_scales.items():
         scale.weight_loader(scale, value, shard)
         if input_scale is not None:
@@ -90,6 +90,25 @@ def test_block_scaled_plugin_equals_trainer_bit_for_bit(plugin):
     config = plugin.Fp8RLConfig(list(WEIGHT_BLOCK), "dynamic", [], gemm="triton_invariant")
     method, layer = _served(plugin, config, {i: q.data for i, q in shards.items()},
                             {i: q.scale_inv for i, q in shards.items()})
+    assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
+
+
+@pytest.mark.parametrize("gemm,k", [("batch_invariant", 320), ("triton_invariant", 256)])
+def test_groupwise_plugin_equals_trainer_bit_for_bit(plugin, gemm, k):
+    """The groupwise recipe's aligned layout: 1x128 weight groups served per HF shard (q/k/v of
+    widths that do not tile 128 rows), the trainer's fused weight in Megatron's interleaved row
+    order; 'batch_invariant' is 'exact' here (K = 320: a partial last group)."""
+    x, weight, bias = _inputs(2, k=k)
+    order = torch.randperm(weight.shape[0], generator=torch.Generator().manual_seed(4))
+    trainer = fp8_linear(x, weight[order], bias[order], make_quantizers(groupwise()), gemm)[0]
+    trainer = trainer[:, torch.argsort(order)]
+    shards = {name: quantize_blockwise(w, E4M3, (1, 128))
+              for name, w in zip(SHARDS, torch.split(weight, list(SHARDS.values())))}
+    config = plugin.Fp8RLConfig([1, 128], "dynamic", [], gemm=gemm)
+    assert config.weight_block_size is None  # SGLang's CPU padding asserts square blocks
+    method, layer = _served(plugin, config, {n: q.data for n, q in shards.items()},
+                            {n: q.scale_inv for n, q in shards.items()})
+    assert torch.equal(method.apply(layer, x, bias)[0], trainer)
     assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
 
 

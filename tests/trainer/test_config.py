@@ -147,3 +147,19 @@ def test_dtype_mismatch_names_the_keys(overrides, message):
 def test_fp8_rollouts_may_serve_another_dtype():
     cfg = load_config(RunConfig, None, ["model.hf_path=/x", "model.dtype=bfloat16", "rollout.fp8=blockwise"])
     assert (cfg.model.dtype, cfg.rollout.dtype) == ("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ("none", r"model.fp8: rollout.fp8=aligned serves the trainer's own FP8 quantization: model.fp8 must be one of .* found 'none'"),
+    ("tensorwise", r"found 'tensorwise'"),
+    ("blockwise", r"found 'blockwise' \(blockwise's 128x128 weight blocks cut across the q/k/v rows"),
+])
+def test_aligned_rollouts_refuse_a_recipe_they_cannot_serve(recipe, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, ["model.hf_path=/x", f"model.fp8={recipe}", "rollout.fp8=aligned"])
+
+
+@pytest.mark.parametrize("recipe", ["groupwise", "calibrated", "te_delayed", "megatron_delayed"])
+def test_aligned_rollouts_accept_the_recipes_they_serve(recipe):
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", f"model.fp8={recipe}", "rollout.fp8=aligned"])
+    assert cfg.trainer_fp8_gemm == "batch_invariant"

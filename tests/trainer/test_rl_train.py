@@ -120,17 +120,20 @@ def test_aligned_fp8_rollout_removes_the_mismatch(tiny_run_inputs, tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("old_policy", [["algorithm.old_policy=decoupled"],
-                                        ["algorithm.old_policy=bypass", "algorithm.correction=none"]],
-                         ids=["decoupled", "bypass"])
-def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path, old_policy):
-    """Full FP8 (calibrated trainer, aligned rollouts), plain GRPO, one mini-batch per step: the
-    update's forward runs at θ = θ_old in the rollout's arithmetic, so on every token of both
-    steps the PPO ratio is exactly 1, nothing is clipped and the training forward's logprobs
-    equal π_old bit for bit: the recompute's (decoupled), or the rollout's own (bypass, which skips
-    the recompute: on the tiny model aligned rollouts are bit-identical to the trainer).
+@pytest.mark.parametrize("recipe,old_policy", [
+    ("calibrated", ["algorithm.old_policy=decoupled"]),
+    ("calibrated", ["algorithm.old_policy=bypass", "algorithm.correction=none"]),
+    ("groupwise", ["algorithm.old_policy=decoupled"]),
+], ids=["calibrated-decoupled", "calibrated-bypass", "groupwise-decoupled"])
+def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path, recipe, old_policy):
+    """Full FP8 (an aligned trainer recipe: calibrated's shared per-tensor scales, or groupwise's
+    recomputed 1x128 groups; aligned rollouts), plain GRPO, one mini-batch per step: the update's
+    forward runs at θ = θ_old in the rollout's arithmetic, so on every token of both steps the PPO
+    ratio is exactly 1, nothing is clipped and the training forward's logprobs equal π_old bit for
+    bit: the recompute's (decoupled), or the rollout's own (bypass, which skips the recompute: on
+    the tiny model aligned rollouts are bit-identical to the trainer).
     1 torchrun process + SGLang's 2."""
-    _train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "rollout.fp8=aligned",
+    _train(tiny_run_inputs, tmp_path, 1, f"model.fp8={recipe}", "rollout.fp8=aligned",
            "algorithm.name=grpo", "algorithm.clip_high=0.2", "train.mini_batches=1",
            "train.eval_every=0", "algorithm.dynamic_sampling=false", *old_policy)
     scalars = _scalars(tmp_path)
