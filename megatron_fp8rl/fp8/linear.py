@@ -143,13 +143,16 @@ def _row_group_scales(t: Fp8Tensor) -> torch.Tensor:
 def _exact_grouped_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     """'exact' for block operands (module docstring): y = sum over K groups g, in order, of
     exact_sum_g(a b) * sa[m, g] * sb[n, g], in fp64, rounded once to fp32."""
-    width = a.block[1]
-    a_dense, b_dense = _dense(a).double(), _dense(b).double()
+    width, (m, k), n = a.block[1], a.data.shape, b.data.shape[0]
+    groups = -(-k // width)
+    # [groups, rows, width] fp64 operands (zero-padded along K: exact), one batched product
+    a3 = torch.nn.functional.pad(a.data.to(torch.float64), (0, groups * width - k)).view(m, groups, width)
+    b3 = torch.nn.functional.pad(b.data.to(torch.float64), (0, groups * width - k)).view(n, groups, width)
+    parts = torch.bmm(a3.transpose(0, 1), b3.permute(1, 2, 0))  # [groups, m, n], exact sums
     a_scales, b_scales = _row_group_scales(a), _row_group_scales(b)
-    y = torch.zeros(a_dense.shape[0], b_dense.shape[0], dtype=torch.float64, device=a_dense.device)
-    for group, start in enumerate(range(0, a_dense.shape[1], width)):
-        part = a_dense[:, start:start + width] @ b_dense[:, start:start + width].t()
-        y += part * a_scales[:, group, None] * b_scales[None, :, group]
+    y = parts[0].mul_(a_scales[:, 0, None]).mul_(b_scales[None, :, 0])
+    for group in range(1, groups):  # in K order, one rounding per operation, per element
+        y.add_(parts[group].mul_(a_scales[:, group, None]).mul_(b_scales[None, :, group]))
     return y.float()
 
 

@@ -187,8 +187,9 @@ def _block_view(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
     return x.contiguous().view(nb, bn, kb, bk), nb, kb
 
 
-def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
-    """finite_amax of each block of blocks [nb, bn, kb, bk] -> [nb, kb].
+def _block_amax(blocks: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(finite_amax of each block of blocks [nb, bn, kb, bk] -> [nb, kb], whether every element
+    is known finite).
 
     On CPU: max(max x, -min x), which reads x twice and allocates no |x| temporary
     (bench/fp8_recipes.py's throughput check); a non-finite result means some block holds inf or
@@ -198,8 +199,8 @@ def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     if blocks.device.type == "cpu":
         bound = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
         if bool(torch.isfinite(bound).all()):
-            return bound
-    return finite_amax(blocks, dim=(1, 3))
+            return bound, True
+    return finite_amax(blocks, dim=(1, 3)), False
 
 
 def quantize_blockwise(
@@ -211,8 +212,13 @@ def quantize_blockwise(
     gradients flattened to [tokens, channels]. An all-zero block gets scale 1.
     """
     blocks, nb, kb = _block_view(x, block)
-    scale = scale_from_bound(_block_amax(blocks), fmt.max, margin)
-    q = quantize(blocks, scale[:, None, :, None], fmt).view(nb * block[0], kb * block[1])
+    bound, finite = _block_amax(blocks)
+    scale = scale_from_bound(bound, fmt.max, margin)
+    if finite:  # |x| <= its block's bound, so fl(x * scale) < the FP8 overflow threshold: no clamp
+        q = (blocks * scale[:, None, :, None]).to(fmt.dtype)
+    else:
+        q = quantize(blocks, scale[:, None, :, None], fmt)
+    q = q.view(nb * block[0], kb * block[1])
     return Fp8Tensor(q[: x.shape[0], : x.shape[1]].contiguous(), scale.reciprocal(), "block", block)
 
 
