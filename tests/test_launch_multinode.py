@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -41,25 +42,41 @@ def _launch_two_nodes(inputs, run_dir: Path, *overrides: str, timeout: float = 9
             "train.steps=2", "rollout.n_samples=4", "data.prompts_per_step=2",
             "rollout.max_new_tokens=6", "train.micro_batch_size=4", "train.eval_every=2",
             "train.lr=1e-3", f"run_dir={run_dir}", *overrides]
-    logs = {rank: tempfile.TemporaryFile(mode="w+") for rank in (1, 0)}
+    logs, agents = {rank: tempfile.TemporaryFile(mode="w+") for rank in (1, 0)}, {}
     try:
-        agents = {rank: subprocess.Popen(["bash", str(SCRIPT), *args], env=dict(env, NODE_RANK=str(rank)),
-                                         stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                         start_new_session=True)
-                  for rank, log in logs.items()}
-        codes = {rank: agent.wait(timeout=timeout) for rank, agent in agents.items()}
+        for rank, log in logs.items():
+            agents[rank] = subprocess.Popen(["bash", str(SCRIPT), *args], env=dict(env, NODE_RANK=str(rank)),
+                                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                            start_new_session=True)
+        codes = _wait_all_or_first_failure(agents, timeout)
     finally:
         _kill_marked(marker)
+        for agent in agents.values():
+            agent.wait()
     outputs = {}
     for rank, log in logs.items():
         log.seek(0)
         outputs[rank] = log.read()
         log.close()
-    for rank in (0, 1):
-        assert codes[rank] == 0, f"node {rank} exited {codes[rank]}:\n{outputs[rank][-6000:]}"
+    failed = {rank: codes.get(rank, "nothing: still running when the other node failed")
+              for rank in (0, 1) if codes.get(rank) != 0}
+    assert not failed, "\n".join(f"node {rank} exited {status}:\n{outputs[rank][-4000:]}"
+                                  for rank, status in failed.items())
     summaries = [m.group(0) for out in outputs.values() for m in [re.search(r"^\{.*?^\}", out, re.S | re.M)] if m]
     assert len(summaries) == 1, f"expected one summary (global rank 0), found {len(summaries)}"
     return json.loads(summaries[0])
+
+
+def _wait_all_or_first_failure(agents: dict[int, subprocess.Popen], timeout: float) -> dict[int, int]:
+    """Exit codes of the agents once all have ended, or once one failed (its peer would wait out
+    the rendezvous timeout: minutes); a missing code means the agent was still running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = {rank: agent.poll() for rank, agent in agents.items() if agent.poll() is not None}
+        if len(codes) == len(agents) or any(codes.values()):
+            return codes
+        time.sleep(1)
+    return {rank: agent.poll() for rank, agent in agents.items() if agent.poll() is not None}
 
 
 def _assert_rollouts_follow_the_trainer(run_dir: Path) -> None:
