@@ -147,3 +147,10 @@ def test_dtype_mismatch_names_the_keys(overrides, message):
 def test_fp8_rollouts_may_serve_another_dtype():
     cfg = load_config(RunConfig, None, ["model.hf_path=/x", "model.dtype=bfloat16", "rollout.fp8=blockwise"])
     assert (cfg.model.dtype, cfg.rollout.dtype) == ("bfloat16", "float32")
+
+
+def test_dataset_schema_keys_by_override_and_checked():
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "data.schema.answer_key=reward_model.ground_truth"])
+    assert (cfg.data.schema.answer_key, cfg.data.schema.prompt_key) == ("reward_model.ground_truth", "prompt")
+    with pytest.raises(ConfigError, match=r"data.schema.answer_key: must name a field .* got 'a..b'"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "data.schema.answer_key=a..b"])
