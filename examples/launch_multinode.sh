@@ -26,7 +26,7 @@ RDZV_PORT="${RDZV_PORT:-29500}"
 RDZV_ID="${RDZV_ID:-megatron_fp8rl}"
 if [[ -z "${NODE_RANK:-}" ]]; then
   if (( NNODES > 1 )); then
-    echo "set NODE_RANK (0 on HEAD_NODE=${HEAD_NODE}, 1..$((NNODES - 1)) on the other nodes)" >&2
+    echo "set NODE_RANK: 0 on HEAD_NODE=${HEAD_NODE}, a distinct 1..$((NNODES - 1)) on each other node" >&2
     exit 2
   fi
   NODE_RANK=0
