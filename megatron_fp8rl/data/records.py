@@ -9,7 +9,10 @@ Schema (one JSON object per line, or one Parquet row):
      "answer": "5", "id": "optional"}
 `prompt` (a string, sent as one user turn) or `messages` (a chat, ending with a user turn) is
 required, and so is `answer` (the reference the reward compares against; numbers are turned into
-strings). Other fields are kept in `extra`. Key names are configurable (`prompt_key`, ...).
+strings). Other fields are kept in `extra`. Key names are configurable (`DatasetSchema`, the run
+config's `data.schema`); a dotted key reads a field of a nested object. verl's RL Parquet layout
+(DAPO-Math-17k: `prompt` the chat, `reward_model.ground_truth` the answer, `extra_info.index`)
+reads with messages_key=prompt, answer_key=reward_model.ground_truth, id_key=extra_info.index.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ class PromptRecord:
 
 @dataclass(frozen=True)
 class DatasetSchema:
-    """Which fields of a row hold what."""
+    """Which fields of a row hold what; a dotted key ('reward_model.ground_truth') reads a field
+    of a nested object."""
 
     prompt_key: str = "prompt"
     """Field with a plain-text prompt (one user turn)."""
@@ -51,29 +55,41 @@ class DatasetSchema:
     """Optional field with a row identifier."""
 
 
+def _field(row: dict, key: str) -> Any:
+    """The value at `key` (dots step into nested objects), or None where the path ends early."""
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
 def record_from_row(row: dict, where: str, schema: DatasetSchema = DatasetSchema()) -> PromptRecord:
     """Validate one row (`where` is 'file:line' for errors) and build its record."""
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected an object with fields, found {type(row).__name__}")
-    if schema.answer_key not in row or row[schema.answer_key] is None:
+    answer = _field(row, schema.answer_key)
+    if answer is None:
         raise DatasetError(f"{where}: missing required field {schema.answer_key!r} "
                            f"(row has: {', '.join(sorted(row)) or 'nothing'})")
-    if isinstance(row[schema.answer_key], (list, tuple, dict)) or hasattr(row[schema.answer_key], "tolist"):
+    if isinstance(answer, (list, tuple, dict)) or hasattr(answer, "tolist"):
         raise DatasetError(f"{where}: field {schema.answer_key!r} must be one answer (a string or "
-                           f"number), found {type(row[schema.answer_key]).__name__} "
-                           f"{row[schema.answer_key]!r}; several accepted answers are not supported")
-    if row.get(schema.messages_key) is not None:
-        messages = _check_messages(row[schema.messages_key], where, schema.messages_key)
-    elif isinstance(row.get(schema.prompt_key), str) and row[schema.prompt_key].strip():
-        messages = ({"role": "user", "content": row[schema.prompt_key]},)
+                           f"number), found {type(answer).__name__} {answer!r}; several accepted "
+                           "answers are not supported")
+    chat, prompt = _field(row, schema.messages_key), _field(row, schema.prompt_key)
+    if chat is not None:
+        messages = _check_messages(chat, where, schema.messages_key)
+    elif isinstance(prompt, str) and prompt.strip():
+        messages = ({"role": "user", "content": prompt},)
     else:
         raise DatasetError(f"{where}: needs a non-empty {schema.prompt_key!r} string or a "
                            f"{schema.messages_key!r} list (row has: {', '.join(sorted(row))})")
     used = {schema.prompt_key, schema.messages_key, schema.answer_key, schema.id_key}
     return PromptRecord(
         messages=messages,
-        answer=str(row[schema.answer_key]),
-        id=str(row.get(schema.id_key) or where),
+        answer=str(answer),
+        id=str(_field(row, schema.id_key) or where),
         extra={k: v for k, v in row.items() if k not in used},
     )
 

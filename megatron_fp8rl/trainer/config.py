@@ -6,10 +6,12 @@ Must not import: cli.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from megatron_fp8rl.data.arithmetic import OPERATIONS
+from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
@@ -316,6 +318,8 @@ class DataConfig:
     """Prompt file (.jsonl/.parquet; see data.records) or builtin:arithmetic."""
     eval: str = "builtin:arithmetic"
     """Held-out prompts for greedy evaluation (builtin:arithmetic uses the eval split)."""
+    schema: DatasetSchema = field(default_factory=DatasetSchema)
+    """Which fields of a prompt file's rows hold the prompt or chat, the answer and the id."""
     arithmetic_ops: list[str] = field(default_factory=lambda: ["add", "mul"])
     """Operations of the built-in task."""
     train_size: int = 2000
@@ -337,6 +341,9 @@ class DataConfig:
         _check(bool(self.arithmetic_ops) and not unknown, "data.arithmetic_ops",
                f"unknown {unknown or 'empty list'}; choose from {sorted(OPERATIONS)}")
         _check_number(self.reward_timeout_s, "data.reward_timeout_s", 0, low_open=True)
+        for key, value in dataclasses.asdict(self.schema).items():
+            _check(bool(value.strip()) and "" not in value.split("."), f"data.schema.{key}",
+                   f"must name a field (dots step into nested objects), got {value!r}")
 
 
 @dataclass

@@ -44,7 +44,7 @@ def load_records(spec: str, split: str, size: int, cfg: RunConfig) -> list[Promp
         return arithmetic_records(split, size, ops=tuple(cfg.data.arithmetic_ops), seed=cfg.train.seed)
     if spec.startswith("builtin:"):
         raise DatasetError(f"unknown built-in dataset {spec!r}; available: builtin:arithmetic")
-    return load_prompt_file(spec)
+    return load_prompt_file(spec, cfg.data.schema)
 
 
 def check_inputs(cfg: RunConfig) -> None:

@@ -47,6 +47,14 @@ def test_custom_keys(tmp_path):
     assert record.answer == "7"
 
 
+def test_dotted_keys_read_nested_fields(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"q": {"text": "2+2?"}, "meta": {"gt": 4, "id": "a"}}])
+    (record,) = load_prompt_file(path, DatasetSchema(prompt_key="q.text", answer_key="meta.gt", id_key="meta.id"))
+    assert (record.messages, record.answer, record.id) == (({"role": "user", "content": "2+2?"},), "4", "a")
+    with pytest.raises(DatasetError, match=r"d.jsonl:1: missing required field 'meta.truth' \(row has: meta, q\)"):
+        load_prompt_file(path, DatasetSchema(prompt_key="q.text", answer_key="meta.truth"))
+
+
 @pytest.mark.parametrize("row, message", [
     ({"prompt": "x"}, r"d.jsonl:2: missing required field 'answer' \(row has: prompt\)"),
     ({"answer": "1"}, r"d.jsonl:2: needs a non-empty 'prompt' string or a 'messages' list"),

@@ -163,3 +163,10 @@ def test_aligned_rollouts_refuse_a_recipe_they_cannot_serve(recipe, message):
 def test_aligned_rollouts_accept_the_recipes_they_serve(recipe):
     cfg = load_config(RunConfig, None, ["model.hf_path=/x", f"model.fp8={recipe}", "rollout.fp8=aligned"])
     assert cfg.trainer_fp8_gemm == "batch_invariant"
+
+
+def test_dataset_schema_keys_by_override_and_checked():
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "data.schema.answer_key=reward_model.ground_truth"])
+    assert (cfg.data.schema.answer_key, cfg.data.schema.prompt_key) == ("reward_model.ground_truth", "prompt")
+    with pytest.raises(ConfigError, match=r"data.schema.answer_key: must name a field .* got 'a..b'"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "data.schema.answer_key=a..b"])
