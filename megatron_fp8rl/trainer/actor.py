@@ -30,7 +30,6 @@ from megatron_fp8rl.convert.integrity import verify_torch_dist
 from megatron_fp8rl.convert.megatron_to_hf import (
     plan_megatron_to_hf, read_tensor_metadata, read_unit, split_unit,
 )
-from megatron_fp8rl.fp8.recipe import recipe_by_name
 from megatron_fp8rl.models.hf import build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
 from megatron_fp8rl.trainer.batch import prompt_lengths
@@ -76,9 +75,8 @@ class MegatronActor:
         self.hf_config = json.loads((Path(model_cfg.hf_path) / "config.json").read_text())
         check_parallel_layout(self.hf_config, parallel_state.get_tensor_model_parallel_world_size(),
                               parallel_state.get_pipeline_model_parallel_world_size())
-        recipe = recipe_by_name(model_cfg.fp8) if model_cfg.fp8 != "none" else None
         model = build_model_from_hf(self.hf_config, params_dtype=getattr(torch, model_cfg.dtype),
-                                    fp8_recipe=recipe, fp8_backend=model_cfg.fp8_backend, fp8_gemm=fp8_gemm)
+                                    fp8_recipe=model_cfg.recipe(), fp8_backend=model_cfg.fp8_backend, fp8_gemm=fp8_gemm)
         _load_weights_only(model, init_dir)
         self.model = wrap_ddp(model, distributed_optimizer=True)
         self.optimizer = build_optimizer(self.model, optim)

@@ -7,10 +7,13 @@ Must not import: cli.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_fp8rl.data.arithmetic import OPERATIONS
+from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
@@ -64,6 +67,10 @@ class ModelConfig:
     """Megatron pipeline-parallel size."""
     fp8: str = "none"
     """Trainer FP8 recipe for every transformer linear: one of TRAINER_FP8."""
+    fp8_recipe: dict[str, Any] = field(default_factory=dict)
+    """Fields of the `fp8` recipe (megatron_fp8rl/fp8/recipe.py), e.g. for calibrated
+    {criterion: mse, margin: 0, amax_history_len: 16}; empty keeps the recipe's defaults. A field
+    the recipe does not have, or a value it refuses, is an error naming model.fp8_recipe."""
     fp8_backend: str = "ours"
     """Who computes the trainer's FP8 GEMMs (one of MODEL_FP8_BACKENDS): ours (our FP8 linear,
     torch._scaled_mm, on both tiers: the arithmetic aligned rollouts serve) or te (Transformer
@@ -74,6 +81,10 @@ class ModelConfig:
 
     def __post_init__(self):
         _check(self.fp8 in TRAINER_FP8, "model.fp8", f"{self.fp8!r} is not one of {TRAINER_FP8}")
+        _check(self.fp8 != "none" or not self.fp8_recipe, "model.fp8_recipe",
+               f"sets {sorted(self.fp8_recipe)} but model.fp8 is none")
+        if self.fp8 != "none":
+            self.recipe()  # refuse bad fields now, naming them
         _check(self.fp8_backend in MODEL_FP8_BACKENDS, "model.fp8_backend",
                f"{self.fp8_backend!r} is not one of {MODEL_FP8_BACKENDS}")
         _check(self.fp8_backend == "ours" or self.fp8 != "none", "model.fp8_backend",
@@ -81,6 +92,22 @@ class ModelConfig:
         _check(self.dtype in MODEL_DTYPES, "model.dtype", f"{self.dtype!r} is not one of {MODEL_DTYPES}")
         _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
                "tensor_parallel and pipeline_parallel must be >= 1")
+
+
+    def recipe(self) -> Fp8Recipe | None:
+        """The trainer's FP8 recipe built from `fp8` and `fp8_recipe`; None without FP8.
+        ValueError naming model.fp8_recipe and the field for anything the recipe refuses."""
+        if self.fp8 == "none":
+            return None
+        factory = RECIPE_NAMES[self.fp8]
+        accepted = [name for name in inspect.signature(factory).parameters]
+        unknown = sorted(set(self.fp8_recipe) - set(accepted))
+        _check(not unknown, f"model.fp8_recipe.{unknown[0] if unknown else ''}",
+               f"not a field of the {self.fp8!r} recipe (fields: {', '.join(accepted)})")
+        try:
+            return factory(**self.fp8_recipe)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"model.fp8_recipe ({self.fp8}): {exc}") from None
 
 
 @dataclass

@@ -77,7 +77,7 @@ def _start_engine(cfg: RunConfig):
         prompts = [tokenizer.decode(prompt_token_ids(r, tokenizer)) for r in records]
         model_path = prepare_rollout_checkpoint(
             Path(cfg.model.hf_path), Path(cfg.run_dir) / ROLLOUT_CHECKPOINT, cfg.rollout.fp8,
-            cfg.rollout.activation_scheme, cfg.model.fp8, prompts)
+            cfg.rollout.activation_scheme, cfg.model.fp8, prompts, cfg.model.recipe())
     return SGLangEngine(SGLangConfig(model_path=str(model_path), dtype=cfg.rollout.dtype,
                                      max_total_tokens=cfg.rollout.max_total_tokens,
                                      random_seed=cfg.train.seed, fp8=cfg.rollout.fp8,

@@ -38,7 +38,7 @@ from megatron_fp8rl.convert.fp8_export import (
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.quantize import finite_amax, quantize_with_scale_inv
-from megatron_fp8rl.fp8.recipe import recipe_by_name
+from megatron_fp8rl.fp8.recipe import Fp8Recipe, recipe_by_name
 from megatron_fp8rl.trainer.config import ALIGNED_RECIPES, ROW_GROUP_RECIPES, SHARED_SCALE_RECIPES
 
 ROLLOUT_CHECKPOINT = "rollout_fp8"
@@ -92,9 +92,10 @@ def _megatron_linear(module: str) -> tuple[int, str]:
 
 
 def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, activation_scheme: str,
-                               trainer_fp8: str, calibration_prompts: list[str]) -> Path:
+                               trainer_fp8: str, calibration_prompts: list[str], recipe: Fp8Recipe | None = None) -> Path:
     """The checkpoint the rollout engine starts from: `hf_path` itself for rollout.fp8=none,
-    else an FP8 export of it at `output` (static input bounds calibrated on the prompts)."""
+    else an FP8 export of it at `output` (static input bounds calibrated on the prompts; aligned:
+    with the margin of `recipe`, the trainer's, by default the `trainer_fp8` recipe's defaults)."""
     if rollout_fp8 == "none":
         return Path(hf_path)
     check_rollout_fp8(rollout_fp8, trainer_fp8)
@@ -103,7 +104,7 @@ def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, ac
     if options.activation_scheme == "static":
         bounds = calibrate_input_bounds(Path(hf_path), calibration_prompts)
         if rollout_fp8 == "aligned":
-            bounds = _recipe_bounds(Path(hf_path), bounds, recipe_by_name(trainer_fp8).margin)
+            bounds = _recipe_bounds(Path(hf_path), bounds, (recipe or recipe_by_name(trainer_fp8)).margin)
         options = export_options(rollout_fp8, activation_scheme, bounds)
     export_fp8(Path(hf_path), Path(output), options, overwrite=True, progress=False)
     return Path(output)

@@ -170,3 +170,22 @@ def test_dataset_schema_keys_by_override_and_checked():
     assert (cfg.data.schema.answer_key, cfg.data.schema.prompt_key) == ("reward_model.ground_truth", "prompt")
     with pytest.raises(ConfigError, match=r"data.schema.answer_key: must name a field .* got 'a..b'"):
         load_config(RunConfig, None, ["model.hf_path=/x", "data.schema.answer_key=a..b"])
+
+
+def test_fp8_recipe_fields_are_settable_and_checked():
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8=calibrated", "model.fp8_recipe.margin=0",
+                                        "model.fp8_recipe.criterion=mse", "model.fp8_recipe.amax_history_len=16"])
+    recipe = cfg.model.recipe()
+    assert (recipe.margin, recipe.criterion, recipe.amax_history_len) == (0, "mse", 16)
+    assert load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8=blockwise",
+                                         "model.fp8_recipe.weight_block=[64,128]"]).model.recipe().weight_block == (64, 128)
+    for overrides, message in (
+            (["model.fp8=calibrated", "model.fp8_recipe.criterion_x=mse"],
+             r"model.fp8_recipe.criterion_x: not a field of the 'calibrated' recipe \(fields: fp8_format, margin,"),
+            (["model.fp8=calibrated", "model.fp8_recipe.margin=-1"],
+             r"model.fp8_recipe \(calibrated\): margin must be an integer >= 0, found -1"),
+            (["model.fp8=groupwise", "model.fp8_recipe.weight_block=[128,128]"],
+             r"model.fp8_recipe.weight_block: not a field of the 'groupwise' recipe \(fields: fp8_format\)"),
+            (["model.fp8_recipe.margin=0"], r"model.fp8_recipe: sets \['margin'\] but model.fp8 is none")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(RunConfig, None, ["model.hf_path=/x", *overrides])
