@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from tests.torchrun import REPO, _kill_marked, free_port
+from megatron_fp8rl.compat.tcp_store import free_port
+from tests.torchrun import REPO, _kill_marked
 from tests.trainer.test_rl_resume import _base_args
 from tests.trainer.test_rl_train import CLI, tiny_run_inputs  # noqa: F401 (fixture)
 from tests.trainer.test_stop import _marked

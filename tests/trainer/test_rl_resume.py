@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.torchrun import REPO, _kill_marked, free_port
+from megatron_fp8rl.compat.tcp_store import free_port
+from tests.torchrun import REPO, _kill_marked
 from tests.trainer.test_rl_train import CLI, _train, tiny_run_inputs  # noqa: F401 (fixture)
 
 STEPS = 4

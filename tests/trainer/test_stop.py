@@ -14,8 +14,9 @@ import uuid
 import psutil
 import pytest
 
+from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.trainer.checkpoint import checkpoint_problem
-from tests.torchrun import REPO, _kill_marked, free_port
+from tests.torchrun import REPO, _kill_marked
 from tests.trainer.test_rl_train import CLI, tiny_run_inputs  # noqa: F401 (fixture)
 
 
