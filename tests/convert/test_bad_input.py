@@ -236,6 +236,7 @@ def _unprivileged(*argv: str) -> subprocess.CompletedProcess:
                           preexec_fn=meet_permission_bits)
 
 
+@pytest.mark.multiprocess
 def test_unwritable_output_is_refused_naming_it_not_the_hidden_temporary(qwen2, tmp_path):
     """convert (both directions) and export-fp8 into a folder this process may not write: a one-line
     error (exit 2) naming the user's output and 'permission denied', before any work; nothing written.

@@ -111,6 +111,7 @@ def test_a_reward_that_ignores_its_timeout_is_killed():
     assert set(multiprocessing.active_children()) <= before  # the stuck worker is gone
 
 
+@pytest.mark.multiprocess
 def test_a_hung_reward_cannot_keep_the_process_alive(tmp_path):
     """The reported case: the summary printed, then the process never exited."""
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
@@ -128,6 +129,7 @@ def _touch_then_hang(response: str, answer: str) -> float:
     return _ignores_alarm("stuck", answer)
 
 
+@pytest.mark.multiprocess
 def test_a_hung_reward_dies_with_its_killed_parent(tmp_path):
     """kill -9 of the scoring process (the trainer): its hung reward worker, a grandchild under
     multiprocessing's forkserver, must not outlive it (it used to, for the reward's full hang)."""

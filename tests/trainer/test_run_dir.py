@@ -58,6 +58,7 @@ def test_previous_outputs_without_record_are_refused(models, tmp_path):
         check_run_dir(_cfg(models["a"], tmp_path))
 
 
+@pytest.mark.multiprocess
 def test_unwritable_run_dir_is_refused_naming_it(models, tmp_path):
     """As the trainer calls them, in a process that meets permission bits (as root too): before,
     a PermissionError traceback naming the hidden `.provenance.json.tmp`."""
