@@ -41,10 +41,10 @@ STEP_PHASES = ("time/rollout_s", "time/advantages_s", "time/recompute_s", "time/
 def _run(name: str, overrides: list[str], out: Path, model: Path, steps: int) -> dict[str, list[float]]:
     run_dir = out / name
     if not (run_dir / "summary.json").is_file():
-        from megatron_fp8rl.report.study import _free_port
+        from megatron_fp8rl.compat.tcp_store import free_port
 
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
-                   "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--module",
+                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--module",
                    "megatron_fp8rl.cli", "train", f"model.hf_path={model}", f"run_dir={run_dir}",
                    f"train.steps={steps}", *COMMON, *overrides]
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ USER_ERRORS = (
     ("megatron_fp8rl.convert.safetensors_io", "CheckpointError"),
     ("megatron_fp8rl.convert.outputs", "OutputExistsError"),
     ("megatron_fp8rl.convert.outputs", "OutputOverlapsInputError"),
+    ("megatron_fp8rl.convert.outputs", "OutputNotWritableError"),
     ("megatron_fp8rl.compat.safe_dcp", "UnsafeCheckpointError"),
     ("megatron_fp8rl.models.family", "UnsupportedModelError"),
     ("megatron_fp8rl.trainer.run_dir", "RunDirError"),

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -11,14 +10,9 @@ from pathlib import Path
 
 import psutil
 
+from megatron_fp8rl.compat.tcp_store import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 600,
@@ -44,7 +38,7 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 600,
         try:
             returncode = proc.wait(timeout=timeout)
         finally:
-            _kill_marked(marker)
+            kill_marked(marker)
         log.seek(0)
         output = log.read()
     if (returncode != 0) != expect_failure:
@@ -54,11 +48,22 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 600,
     return output
 
 
-def _kill_marked(marker: str) -> None:
-    """SIGKILL every process whose environment carries this run's marker."""
+def marked_processes(marker: str) -> list[psutil.Process]:
+    """Every process whose environment carries this run's marker (MEGATRON_FP8RL_TEST_RUN)."""
+    found = []
     for proc in psutil.process_iter():
         try:
             if proc.environ().get("MEGATRON_FP8RL_TEST_RUN") == marker:
-                proc.kill()
+                found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment carries this run's marker."""
+    for proc in marked_processes(marker):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
             continue

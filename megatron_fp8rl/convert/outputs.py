@@ -2,8 +2,11 @@
 
 Owns: `atomic_output` (write into a hidden temporary sibling, rename at the end; an existing
 output is refused unless overwrite; an output that is, contains or lies inside an input is refused
-always, since replacing it would destroy the input; temporaries left by a killed writer are removed
-at the next write of the same output), `copy_hf_side_files` (config, generation config, tokenizer).
+always, since replacing it would destroy the input; an output where this process cannot write is
+refused before any work, and a write that fails names the output, not the hidden temporary;
+temporaries left by a killed writer are removed at the next write of the same output),
+`writable_problem` (why a path cannot be written), `copy_hf_side_files` (config, generation
+config, tokenizer).
 Must not import: models, rollout, data, trainer, cli.
 """
 from __future__ import annotations
@@ -30,6 +33,26 @@ class OutputOverlapsInputError(ValueError):
     """The output path is an input, or one contains the other."""
 
 
+class OutputNotWritableError(OSError):
+    """The output cannot be written (permission, read-only file system, ...)."""
+
+
+def writable_problem(path: Path) -> str | None:
+    """Why `path` (a folder or file to be created or replaced) cannot be written by this process,
+    e.g. "permission denied: cannot create entries in /data"; None when it can. Judged on the
+    nearest existing folder at or above its parent, as creating or renaming `path` needs it."""
+    folder = Path(path).absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return f"read-only file system: cannot create entries in {folder}"
+    return f"permission denied: cannot create entries in {folder}"
+
+
 def check_output(path: Path, overwrite: bool, inputs: tuple[Path | None, ...] = ()) -> None:
     """Refuse an existing output path unless `overwrite`, and an output that is, contains or lies
     inside one of `inputs` (call before any long work)."""
@@ -41,6 +64,9 @@ def check_output(path: Path, overwrite: bool, inputs: tuple[Path | None, ...] = 
                 "choose an output outside the input folder")
     if Path(path).exists() and not overwrite:
         raise OutputExistsError(f"output {path} already exists; pass --overwrite to replace it")
+    problem = writable_problem(path)
+    if problem:
+        raise OutputNotWritableError(f"cannot write output {path}: {problem}")
 
 
 @contextlib.contextmanager
@@ -52,23 +78,40 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
     """
     path = Path(path)
     check_output(path, overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(path)
     tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    with _naming_output(path, tmp):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     try:
-        yield tmp
+        with _naming_output(path, tmp):
+            yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        tmp.rename(path)
+    with _naming_output(path, tmp):
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            tmp.rename(path)
+
+
+@contextlib.contextmanager
+def _naming_output(path: Path, tmp: Path) -> Iterator[None]:
+    """Re-raise an OSError about the hidden temporary `tmp` (or a file in it) as one naming the
+    user's output `path` and the problem (the temporary's name means nothing to the user)."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None or not str(err.filename).startswith(str(tmp)):
+            raise
+        inside = os.path.relpath(err.filename, tmp)
+        where = "" if inside == "." else f" (writing {inside})"
+        raise OutputNotWritableError(f"cannot write output {path}{where}: {err.strerror}") from err
 
 
 def _pid_alive(pid: int) -> bool:

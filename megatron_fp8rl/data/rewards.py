@@ -3,7 +3,8 @@
 Owns: the built-in rewards (math-verify answer equivalence, last-number match), loading a user
 reward function from a dotted path, and scoring a batch in a bounded pool of worker processes so
 that a reward that raises, times out or returns a non-finite value scores 0 and is counted instead
-of crashing the run, a hung reward cannot keep the process alive, and a batch in which every call
+of crashing the run, a hung reward cannot keep the process alive nor outlive it (kill -9
+included), and a batch in which every call
 failed stops the run with the first failure's text.
 Must not import: models, convert, rollout, trainer, cli.
 
@@ -15,11 +16,15 @@ import importlib
 import math
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+import psutil
 
 RewardFn = Callable[[str, str], float]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -96,9 +101,10 @@ class RewardError(RuntimeError):
     """Every reward call of a batch failed: the run would learn from nothing."""
 
 
-def _call(fn: RewardFn, response: str, answer: str, connection) -> None:
+def _call(fn: RewardFn, response: str, answer: str, connection, trainer_pid: int) -> None:
     """Runs in a worker process: sends (outcome, value-or-message), outcome one of ok, error,
-    invalid."""
+    invalid. Exits as soon as the process that started it (`trainer_pid`) is gone."""
+    _exit_with(trainer_pid)
     try:
         value = fn(response, answer)
     except Exception as exc:  # a user reward may raise anything; it must not end the run
@@ -110,6 +116,32 @@ def _call(fn: RewardFn, response: str, answer: str, connection) -> None:
         value = math.nan
     connection.send(("ok", value) if math.isfinite(value)
                     else ("invalid", "reward returned a non-finite or non-numeric value"))
+
+
+def _exit_with(pid: int, every_s: float = 0.2) -> None:
+    """End this worker (os._exit) within `every_s` of process `pid` dying, however it died.
+    PR_SET_PDEATHSIG cannot do it: a worker's parent is multiprocessing's forkserver, not the
+    trainer, and the forkserver stays up while any worker holds its liveness pipe, so a hung worker
+    kept it (and itself) alive after a kill -9 of the trainer. A thread watches the trainer instead."""
+    try:
+        trainer = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        os._exit(1)
+
+    def watch() -> None:
+        while _alive(trainer):
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-trainer", daemon=True).start()
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (a killed trainer its parent has not reaped yet is gone too)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _context(fn: RewardFn):
@@ -146,7 +178,8 @@ def score(fn: RewardFn, responses: list[str], answers: list[str], timeout_s: flo
             while queue and len(running) < max(1, workers):
                 index, (response, answer) = queue.pop(0)
                 receiver, sender = context.Pipe(duplex=False)
-                process = context.Process(target=_call, args=(fn, response, answer, sender), daemon=True)
+                process = context.Process(target=_call, args=(fn, response, answer, sender, os.getpid()),
+                                          daemon=True)
                 process.start()
                 sender.close()
                 running[index] = (process, receiver, time.monotonic() + timeout_s)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -104,17 +103,12 @@ def select_settings(names: str | None, added: list[Setting]) -> list[Setting]:
 def train_command(setting: Setting, run_dir: Path, model: Path, sizes: dict, extra: list[str],
                   nproc: int) -> list[str]:
     """The torchrun command of one setting (later overrides win: sizes, setting, --set)."""
+    from megatron_fp8rl.compat.tcp_store import free_port  # torch: not at `--help` time
     overrides = [f"{k}={v}" for k, v in {**COMMON, **sizes}.items()]
     overrides += [f"model.hf_path={model}", f"run_dir={run_dir}", *setting.overrides, *extra]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}",
             "--module", "megatron_fp8rl.cli", "train", *overrides]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_setting(command: list[str], log_path: Path, timeout_s: float) -> int:

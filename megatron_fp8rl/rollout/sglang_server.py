@@ -29,12 +29,14 @@ from typing import Iterable
 
 from urllib.parse import urlparse
 
+import psutil
 import requests
 import torch
 from safetensors.torch import save_file
 
 from megatron_fp8rl.compat import sglang_cpu
 from megatron_fp8rl.compat.process_env import torchrun_free_env
+from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
 from megatron_fp8rl.rollout.reaper import Reaper, die_with_parent
 from megatron_fp8rl.rollout.sglang_common import (
@@ -50,14 +52,9 @@ from megatron_fp8rl.rollout.weight_transfer import DistributedWeightSender
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
 
 TRANSFERS = ("disk", "distributed")
+START_ATTEMPTS = 3
+"""Start-ups tried when the server loses its port to another process (a fresh port each time)."""
 
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -69,8 +66,39 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
-                raise RolloutEngineError(f"cannot start SGLang server: port {host}:{port} is already in use") from err
+                raise PortTakenError(f"cannot start SGLang server: port {host}:{port} is already in use") from err
             raise RolloutEngineError(f"cannot start SGLang server on {host}:{port}: {err}") from err
+
+
+class PortTakenError(RolloutEngineError):
+    """The server's HTTP port is (or was, when it had to bind it) held by another process."""
+
+
+def port_holder(host: str, port: int, server_pid: int) -> str | None:
+    """Who listens on `host`:`port` when it is not the process `server_pid` (the server's HTTP
+    listener), e.g. "pid 123 (python)"; None when nobody does or the server itself does."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return None  # nothing accepts there: the server has not bound it yet
+    try:
+        if any(_listens(c, port) for c in psutil.Process(server_pid).net_connections("tcp")):
+            return None
+    except psutil.NoSuchProcess:
+        return None  # the caller sees the exit next
+    pids = sorted({c.pid for c in psutil.net_connections("tcp") if _listens(c, port) and c.pid})
+    return ", ".join(f"pid {pid} ({_process_name(pid)})" for pid in pids) or "a process of another user"
+
+
+def _listens(connection, port: int) -> bool:
+    return connection.status == psutil.CONN_LISTEN and connection.laddr.port == port
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return "gone"
 
 
 class SGLangServer:
@@ -106,6 +134,7 @@ class SGLangServer:
             host, port = parsed.hostname, parsed.port
         self.host = host
         self.port = port
+        self.requested_port = port
         self.startup_timeout_s = startup_timeout_s
         self.request_timeout_s = request_timeout_s
         self.retries = retries
@@ -140,13 +169,30 @@ class SGLangServer:
 
     def start(self) -> None:
         """Start the server (again, after a crash or shutdown) and wait until /health answers 200.
-        A (re)started server serves the checkpoint on disk: the weight version resets."""
+        A (re)started server serves the checkpoint on disk: the weight version resets.
+        A server that loses its port to another process during start-up is stopped at once and,
+        when the port was ours to choose, started again on a fresh one (`START_ATTEMPTS` in all)."""
         if self.external:
             raise RolloutEngineError(f"the SGLang server at {self.url} was not started here; restart it there")
         self.shutdown()
         self.weight_version = self.config.initial_weight_version
-        self.port = self.port or free_port(self.host)
-        check_port_free(self.host, self.port)
+        lost = []
+        for _ in range(START_ATTEMPTS):
+            self.port = self.requested_port or free_port(self.host)
+            try:
+                check_port_free(self.host, self.port)
+                self._launch()
+                self._wait_healthy()
+                return
+            except PortTakenError as err:
+                if self.requested_port is not None:
+                    raise
+                lost.append(str(err))
+        raise RolloutEngineError(f"SGLang server lost its port {START_ATTEMPTS} times during start-up: "
+                                 + "; ".join(lost))
+
+    def _launch(self) -> None:
+        """Start the server process on `self.port` (output appended to the log)."""
         # Without torchrun's variables: a server started from a torchrun worker would otherwise
         # join the trainer's rendezvous and hang (compat/process_env.py).
         env = torchrun_free_env()
@@ -158,23 +204,32 @@ class SGLangServer:
         argv = [sys.executable, "-m", "megatron_fp8rl.rollout.sglang_launch",
                 *server_argv(self.config, self.host, self.port)]
         with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
             self._proc = subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent, start_new_session=True,
             )
         self._reaper = Reaper([-self._proc.pid])  # its own session: the server and its SGLang children
-        self._wait_healthy()
 
     def _wait_healthy(self) -> None:
+        """Until /health answers: raise at once when the process exits (PortTakenError when its log
+        says a port was in use) or another process listens on its port (uvicorn then logs the bind
+        error but the server process stays up without serving, seen for 600 s)."""
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 code = self._proc.returncode
-                self._proc = None
-                raise RolloutEngineError(
+                self.shutdown()  # SGLang children it left behind go with its process group
+                port_lost = "address already in use" in self._log_since_launch().lower()
+                raise (PortTakenError if port_lost else RolloutEngineError)(
                     f"SGLang server for {self.config.model_path} on {self.url} exited with code {code} "
                     f"during start-up; last lines of {self.log_path}:\n{self.log_tail()}"
                 )
+            holder = port_holder(self.host, self.port, self._proc.pid)
+            if holder is not None:
+                self.shutdown()
+                raise PortTakenError(f"port {self.host}:{self.port} of the starting SGLang server was "
+                                     f"taken by {holder}")
             if self.health():
                 return
             time.sleep(0.5)
@@ -183,6 +238,14 @@ class SGLangServer:
             f"SGLang server on {self.url} not healthy after {self.startup_timeout_s:.0f} s; "
             f"last lines of {self.log_path}:\n{self.log_tail()}"
         )
+
+    def _log_since_launch(self) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_start)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.compat.weight_update_group import init_weight_update_group
 from megatron_fp8rl.rollout.engine import RolloutEngineError
 
@@ -49,12 +50,6 @@ def local_address_towards(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))  # UDP connect sends nothing; it only picks the route
         return probe.getsockname()[0]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class _Background:
@@ -89,7 +84,7 @@ class DistributedWeightSender:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         address = local_address_towards(server_host)
-        port = _free_port(address)
+        port = free_port(address)
         join = _Background(lambda: self.post("/init_weights_update_group", {
             "master_address": address, "master_port": port, "rank_offset": 1,
             "world_size": 1 + server_tp, "group_name": GROUP_NAME, "backend": self.backend}))

@@ -5,7 +5,8 @@ the run's config as dotted keys), written when a run first claims the folder, an
 `check_run_dir`, which refuses a run whose model differs from the recorded one (its converted
 `init_megatron` and checkpoints belong to that model) or whose config differs in anything but
 RESUMABLE_KEYS, unless `train.resume_changed_config`. A folder holding a previous run's outputs
-without a provenance record is refused too: what it was made from cannot be told.
+without a provenance record is refused too: what it was made from cannot be told. A run_dir or
+checkpoint.dir this process cannot write is refused before anything starts, naming the key.
 Must not import: cli.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_fp8rl.convert.integrity import hf_fingerprint
+from megatron_fp8rl.convert.outputs import writable_problem
 
 PROVENANCE = "provenance.json"
 RESUMABLE_KEYS = ("run_dir", "model.hf_path", "checkpoint.dir", "train.steps")
@@ -69,6 +71,10 @@ def check_run_dir(cfg) -> dict[str, Any]:
     """All ranks, before anything is written: raise RunDirError if `cfg.run_dir` holds outputs of
     different inputs; returns the record claim_run_dir writes."""
     run_dir, record = Path(cfg.run_dir), _record(cfg)
+    for key, folder in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        problem = folder and writable_problem(Path(folder) / PROVENANCE)  # the folder, or where it goes
+        if problem:
+            raise RunDirError(f"{key}={folder}: {problem}")
     path = run_dir / PROVENANCE
     if not path.is_file():
         previous = [name for name in PREVIOUS_OUTPUTS if (run_dir / name).exists()]

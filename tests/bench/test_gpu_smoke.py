@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.torchrun import REPO
@@ -41,6 +42,7 @@ def _wheelhouse_packages() -> set[str]:
     return {re.split(r"[=<>]", name.strip('"'))[0].replace("-core", "") for name in packages.split()}
 
 
+@pytest.mark.multiprocess
 def test_smoke_kit_cpu_path_runs_with_only_the_gpu_machines_packages(tmp_path):
     assert _wheelhouse_packages() == {"megatron", "numpy", "packaging"}
     path = f"{REPO}{os.pathsep}{_gpu_machine_site(tmp_path / 'site')}"

@@ -104,6 +104,7 @@ def test_truncated_metadata_names_the_file(tmp_path):
         read_tensor_metadata(folder)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("command", [
     ["convert", "megatron-to-hf", "{ckpt}", "{out}"],
     ["export-fp8", "{ckpt}", "{out}", "--source", "megatron"],

@@ -60,6 +60,7 @@ def test_signature_drift_raises():
         versions.check_signature(ours, theirs, "what")
 
 
+@pytest.mark.multiprocess
 def test_fp8_linear_override_refuses_a_new_megatron_argument():
     """A subprocess (importing the module twice in one process would split its classes):
     megatron's linear function gains a keyword; importing our override must fail loudly."""

@@ -4,6 +4,8 @@ direction, corrupt safetensors, existing outputs, interrupted runs. In process, 
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,9 @@ from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.outputs import OutputExistsError, OutputOverlapsInputError
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.hf import build_model_from_hf
+from tests.conftest import meet_permission_bits
 from tests.models.tiny_hf import save_tiny_hf
+from tests.torchrun import REPO
 
 K_PROJ = "model.layers.1.self_attn.k_proj.weight"
 
@@ -207,3 +211,53 @@ def test_stale_partials_of_killed_writers_are_removed_at_the_next_start(qwen2, t
     alive.mkdir()
     convert_hf_to_megatron(hf_dir, tmp_path / "out", target(), progress=False)
     assert not stale.exists() and alive.exists() and (tmp_path / "out" / ".metadata").is_file()
+
+
+_EACH_COMMAND = """
+import json, sys
+from megatron_fp8rl.cli import main
+for argv in json.loads(sys.argv[1]):
+    print("exit", main(argv), file=sys.stderr, flush=True)
+"""
+_WRITE_AFTER_LOSING_PERMISSION = """
+import sys
+from pathlib import Path
+from megatron_fp8rl.convert.outputs import atomic_output
+with atomic_output(Path(sys.argv[1])) as tmp:
+    tmp.chmod(0o555)  # the temporary becomes unwritable under the writer
+    (tmp / "model.safetensors").write_bytes(b"")
+"""
+
+
+def _unprivileged(*argv: str) -> subprocess.CompletedProcess:
+    """One Python process (the CLI's imports once) meeting file permission bits even as root."""
+    return subprocess.run([sys.executable, "-c", *argv], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          preexec_fn=meet_permission_bits)
+
+
+@pytest.mark.multiprocess
+def test_unwritable_output_is_refused_naming_it_not_the_hidden_temporary(qwen2, tmp_path):
+    """convert (both directions) and export-fp8 into a folder this process may not write: a one-line
+    error (exit 2) naming the user's output and 'permission denied', before any work; nothing written.
+    Before: a traceback naming `.out.partial-<pid>` after the whole conversion."""
+    hf_dir, _, mcore = qwen2
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o555)
+    out = readonly / "out"
+    commands = [["convert", "hf-to-megatron", str(hf_dir), str(out), "--no-progress"],
+                ["convert", "megatron-to-hf", str(mcore), str(out), "--no-progress"],
+                ["export-fp8", str(hf_dir), str(out), "--no-progress"],
+                ["export-fp8", str(mcore), str(out), "--source", "megatron", "--no-progress"]]
+    done = _unprivileged(_EACH_COMMAND, json.dumps(commands))
+    want = f"error: cannot write output {out}: permission denied: cannot create entries in {readonly}"
+    assert done.stderr.count(want + "\nexit 2") == len(commands), done.stderr[-3000:]
+    assert ".partial" not in done.stderr and list(readonly.iterdir()) == []
+
+
+def test_a_failed_write_inside_the_temporary_names_the_output(tmp_path):
+    out = tmp_path / "out"
+    done = _unprivileged(_WRITE_AFTER_LOSING_PERMISSION, str(out))
+    assert (f"OutputNotWritableError: cannot write output {out} (writing model.safetensors): "
+            "Permission denied") in done.stderr, done.stderr[-3000:]
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -5,6 +5,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_fp8rl.data.rewards import (
@@ -110,6 +111,7 @@ def test_a_reward_that_ignores_its_timeout_is_killed():
     assert set(multiprocessing.active_children()) <= before  # the stuck worker is gone
 
 
+@pytest.mark.multiprocess
 def test_a_hung_reward_cannot_keep_the_process_alive(tmp_path):
     """The reported case: the summary printed, then the process never exited."""
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
@@ -119,6 +121,43 @@ def test_a_hung_reward_cannot_keep_the_process_alive(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[0.0, 1.0]"
+
+
+def _touch_then_hang(response: str, answer: str) -> float:
+    """Marks its start by creating the file `response`, then hangs like `_ignores_alarm`."""
+    Path(response).touch()
+    return _ignores_alarm("stuck", answer)
+
+
+@pytest.mark.multiprocess
+def test_a_hung_reward_dies_with_its_killed_parent(tmp_path):
+    """kill -9 of the scoring process (the trainer): its hung reward worker, a grandchild under
+    multiprocessing's forkserver, must not outlive it (it used to, for the reward's full hang)."""
+    started = tmp_path / "started"
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
+              "from megatron_fp8rl.data.rewards import score\n"
+              "from tests.data.test_rewards import _touch_then_hang\n"
+              f"score(_touch_then_hang, [{str(started)!r}], ['1'], timeout_s=600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not started.exists() and parent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), "the reward never started"
+    descendants = psutil.Process(parent.pid).children(recursive=True)
+    parent.kill()
+    parent.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=5)
+    alive = [p for p in alive if _running(p)]  # a zombie is dead: only its reaping is left
+    for process in alive:
+        process.kill()
+    assert not alive, f"outlived the killed parent: {alive}"
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_every_call_failing_stops_with_the_first_error():

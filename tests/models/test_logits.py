@@ -13,6 +13,7 @@ import torch
 
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.models.hf import build_model_from_hf
+from tests.models.conftest import megatron_from_hf_dir, megatron_logits
 from tests.models.tiny_hf import ARCHITECTURES, VOCAB, tiny_hf_model
 
 # fp32 on CPU, logits of magnitude ~1.5: the two implementations differ only in summation order
@@ -20,24 +21,6 @@ from tests.models.tiny_hf import ARCHITECTURES, VOCAB, tiny_hf_model
 # error (a wrong rope scaling or a swapped q/k head moves logits by >1e-2).
 ATOL = 1e-4
 SEQ = 200
-
-
-def megatron_from_hf_dir(hf_dir, tmp_path, params_dtype=torch.float32):
-    """Convert `hf_dir` and load it into a fresh Megatron GPTModel (TP=1, PP=1)."""
-    from megatron.core import dist_checkpointing
-
-    hf_config = json.loads((hf_dir / "config.json").read_text())
-    meta = build_model_from_hf(hf_config, device="meta")
-    convert_hf_to_megatron(hf_dir, tmp_path / "mcore", meta.sharded_state_dict(), progress=False)
-    model = build_model_from_hf(hf_config, params_dtype=params_dtype).eval()
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(tmp_path / "mcore")))
-    return model
-
-
-def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    with torch.no_grad():
-        return model(tokens, positions, None)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

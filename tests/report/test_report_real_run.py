@@ -12,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_fp8rl.report.study import main as stability_main
-from tests.report.test_report_synthetic import assert_png
+from tests.report.conftest import assert_png
 from tests.rollout.tiny_models import build_tiny_rl_inputs
 
 SETTINGS = ("bf16_bf16_none", "fp8trainer")

@@ -14,8 +14,8 @@ from megatron_fp8rl.cli import main
 from megatron_fp8rl.report.logs import ReportError, load_run
 from megatron_fp8rl.report.markdown import final_figures, write_report
 from megatron_fp8rl.report.plots import fp8_layer_matrix
+from tests.report.conftest import assert_png
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LAYERS = [f"module.decoder.layers.{i}.mlp.linear_fc1" for i in (0, 1, 2, 10)]
 RATIO_NAMES = ("min", "p01", "p10", "p50", "p90", "p99", "max")
 
@@ -52,12 +52,6 @@ def write_fake_run(run_dir: Path, *, steps: int, fp8: bool, mismatch: float) -> 
             writer.add_scalar(tag, value, step)
     writer.add_scalar("eval/accuracy", 0.3, steps)
     writer.close()
-
-
-def assert_png(path: Path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
-    assert len(data) > 1000, f"{path} is suspiciously small ({len(data)} bytes)"
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ def test_train_command_puts_user_overrides_last(tmp_path):
     assert _config(command[command.index("train") + 1:]).algorithm.correction == "mis"
 
 
+@pytest.mark.multiprocess
 def test_run_setting_kills_what_the_run_left_behind(tmp_path):
     """A grandchild that drops the environment marker and outlives its parent (as SGLang's
     renamed scheduler can) is killed once the run ends."""

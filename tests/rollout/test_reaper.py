@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
+pytestmark = pytest.mark.multiprocess
 REPO = Path(__file__).resolve().parents[2]
 PARENT = """
 import subprocess, sys, time

@@ -7,7 +7,8 @@ import textwrap
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="stand-ins are installed only without CUDA")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="stand-ins are installed only without CUDA"),
+              pytest.mark.multiprocess]
 
 SCRIPT = textwrap.dedent(
     """

@@ -9,7 +9,7 @@ from tests.rollout import hf_reference as hf
 from tests.rollout.conftest import needs_sglang, sglang_config
 from tests.rollout.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
 
-pytestmark = needs_sglang
+pytestmark = [needs_sglang, pytest.mark.multiprocess]
 PROMPTS = [[5, 6, 7], [9, 10], [3, 40, 41, 42, 43]]
 # fp32 on both sides; differences come only from summation order (SGLang's torch_native attention
 # and fused qkv/gate_up GEMMs vs HF's separate ones).

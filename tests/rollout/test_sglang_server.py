@@ -1,14 +1,17 @@
 """SGLang as a server subprocess behind the HTTP client, on CPU with the real SGLang.
 The slow tests share one server (a tiny Llama; 1 server process + 2 SGLang children)."""
+import os
 import socket
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
+from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
-from megatron_fp8rl.rollout.sglang_server import SGLangServer
+from megatron_fp8rl.rollout.sglang_server import PortTakenError, SGLangServer
 from tests.rollout import hf_reference as hf
 from tests.rollout.conftest import needs_sglang, sglang_config
 from tests.rollout.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
@@ -27,6 +30,56 @@ def test_port_in_use_is_a_clear_error(tiny_dirs):
         with pytest.raises(RolloutEngineError, match=rf"port 127\.0\.0\.1:{port} is already in use"):
             SGLangServer(sglang_config(tiny_dirs["llama"]), port=port)
         assert time.monotonic() - started < 5
+
+
+def _take_port_of_first_server(holder: socket.socket, taken: list[int]) -> threading.Thread:
+    """A thread that waits for this process's first SGLang server child and binds its --port on
+    `holder` before the server does (its start-up takes seconds): the race another process can win."""
+    def take():
+        while True:
+            for child in psutil.Process().children():
+                try:
+                    argv = child.cmdline()
+                except psutil.Error:
+                    continue
+                if "megatron_fp8rl.rollout.sglang_launch" in argv:
+                    taken.append(int(argv[argv.index("--port") + 1]))
+                    holder.bind(("127.0.0.1", taken[0]))
+                    holder.listen()
+                    return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.multiprocess
+def test_port_taken_during_start_up_is_a_clear_error_within_seconds(tiny_dirs):
+    """1 server process, killed as soon as another process listens on its port (before this fix
+    it stayed up without serving until the start-up timeout: 600 s by default)."""
+    port, taken = free_port(), []
+    with socket.socket() as holder:
+        _take_port_of_first_server(holder, taken)
+        started = time.monotonic()
+        with pytest.raises(PortTakenError, match=rf"port 127\.0\.0\.1:{port} of the starting SGLang server "
+                                                 rf"was taken by pid {os.getpid()} \(python"):
+            SGLangServer(sglang_config(tiny_dirs["llama"]), port=port, startup_timeout_s=120)
+        assert time.monotonic() - started < 30
+    assert taken == [port]
+    assert not [c for c in psutil.Process().children() if "sglang_launch" in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_port_lost_during_start_up_is_retried_on_a_fresh_port(tiny_dirs):
+    """2 server starts (the first stopped when its port is taken) + 2 SGLang children."""
+    taken = []
+    with socket.socket() as holder:
+        _take_port_of_first_server(holder, taken)
+        with SGLangServer(sglang_config(tiny_dirs["llama"]), startup_timeout_s=300) as server:
+            assert server.port != taken[0]
+            assert server.health()
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):

@@ -5,8 +5,9 @@ One server process (+2 SGLang children) at a time; the URL test starts a second 
 import pytest
 import torch
 
+from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
-from megatron_fp8rl.rollout.sglang_server import SGLangServer, free_port
+from megatron_fp8rl.rollout.sglang_server import SGLangServer
 from megatron_fp8rl.rollout.weight_transfer import buckets
 from tests.rollout import hf_reference as hf
 from tests.rollout.conftest import needs_sglang, sglang_config

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.trainer.config import RunConfig
-from tests.trainer.test_rl_train import _scalars, _train, tiny_run_inputs  # noqa: F401 (fixture)
+from tests.trainer.conftest import run_train, tb_scalars
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -26,10 +26,10 @@ def test_disaggregated_config_errors_name_the_key(overrides, message):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_train_disaggregated_distributed_weight_sync(tiny_run_inputs, tmp_path):  # noqa: F811
-    summary = _train(tiny_run_inputs, tmp_path, 1, "rollout.mode=disaggregated",
+def test_train_disaggregated_distributed_weight_sync(tiny_run_inputs, tmp_path):
+    summary = run_train(tiny_run_inputs, tmp_path, 1, "rollout.mode=disaggregated",
                      "rollout.weight_transfer=distributed", "rollout.bucket_mb=1")
-    scalars = _scalars(tmp_path)
+    scalars = tb_scalars(tmp_path)
     mismatch = scalars["train/mismatch_abs_logprob_diff_mean"]
     # fp32 server and fp32 trainer on the same weights: logprobs agree. At step 2 this holds only
     # if step 1's update reached the server through the process group (lr 1e-3 moves them more).

@@ -18,7 +18,7 @@ from megatron_fp8rl.rl.losses import policy_loss
 from megatron_fp8rl.rl.noise import estimate_noise
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.objective import make_loss_fn, noise_levels
-from tests.trainer.test_rl_train import _scalars, _train, tiny_run_inputs  # noqa: F401 (fixture)
+from tests.trainer.conftest import run_train, tb_scalars
 
 B, S = 6, 9
 DENOMINATOR = 17.0
@@ -122,10 +122,10 @@ def test_bypass_and_decoupled_end_to_end(tiny_run_inputs, tmp_path):
     """FP8 trainer against fp32 rollouts (real noise), one step of two mini-batches each mode."""
     common = ("model.fp8=calibrated", "train.steps=1", "train.eval_every=0", "train.mini_batches=2",
               "algorithm.dynamic_sampling=false")
-    _train(tiny_run_inputs, tmp_path / "bypass", 1, *common, "algorithm.old_policy=bypass",
+    run_train(tiny_run_inputs, tmp_path / "bypass", 1, *common, "algorithm.old_policy=bypass",
            "algorithm.correction=none")
-    _train(tiny_run_inputs, tmp_path / "decoupled", 1, *common, "algorithm.noise_correction=true")
-    bypass, decoupled = _scalars(tmp_path / "bypass"), _scalars(tmp_path / "decoupled")
+    run_train(tiny_run_inputs, tmp_path / "decoupled", 1, *common, "algorithm.noise_correction=true")
+    bypass, decoupled = tb_scalars(tmp_path / "bypass"), tb_scalars(tmp_path / "decoupled")
     for scalars in (bypass, decoupled):
         for tag in STEP_TAGS:
             assert tag in scalars and len(scalars[tag]) == 1, f"{tag}: {sorted(scalars)}"

@@ -8,7 +8,6 @@ starts one SGLang server (1 process + 2 SGLang children).
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,8 +15,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.torchrun import REPO, _kill_marked, free_port
-from tests.trainer.test_rl_train import CLI, _train, tiny_run_inputs  # noqa: F401 (fixture)
+from tests.torchrun import REPO, kill_marked
+from tests.trainer.conftest import run_train, train_command
 
 STEPS = 4
 SETTINGS = ("train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=1", "train.eval_every=2",
@@ -25,14 +24,6 @@ SETTINGS = ("train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=1", "tr
             "rollout.temperature=1.0")
 # Everything a step computes; timings and throughput are the only metrics allowed to differ.
 VARYING = ("time/", "perf/")
-
-
-def _base_args(model: Path, prompts: Path) -> list[str]:
-    """What tests.trainer.test_rl_train._train passes (keep in step with it)."""
-    return [f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={prompts}", "data.eval_size=8",
-            "data.reward=tests.trainer.reward_fns:first_word_even", "train.steps=2", "rollout.n_samples=4",
-            "data.prompts_per_step=2", "rollout.max_new_tokens=6", "train.micro_batch_size=4",
-            "train.eval_every=2", "train.lr=1e-3"]
 
 
 def _per_step(run_dir: Path) -> dict[int, dict[str, float]]:
@@ -51,12 +42,9 @@ def _per_step(run_dir: Path) -> dict[int, dict[str, float]]:
 def _start_and_kill_after_checkpoint(inputs, run_dir: Path, checkpoint_step: int) -> None:
     """Start the same run in the background; SIGKILL every one of its processes (trainer, server,
     SGLang children) once checkpoint `checkpoint_step` is the latest."""
-    model, prompts = inputs
     marker = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MEGATRON_FP8RL_TEST_RUN=marker)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(CLI), "train", *_base_args(model, prompts),
-           f"run_dir={run_dir}", *SETTINGS]
+    cmd = train_command(inputs, run_dir, *SETTINGS)
     latest = run_dir / "checkpoints" / "latest"
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -68,7 +56,7 @@ def _start_and_kill_after_checkpoint(inputs, run_dir: Path, checkpoint_step: int
                 time.sleep(0.2)
             time.sleep(1.0)  # into step checkpoint_step + 1
         finally:
-            _kill_marked(marker)
+            kill_marked(marker)
             proc.wait()
     assert proc.returncode == -signal.SIGKILL or proc.returncode != 0
 
@@ -76,12 +64,12 @@ def _start_and_kill_after_checkpoint(inputs, run_dir: Path, checkpoint_step: int
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # three runs of ~1-5 minutes each, ~15 on a loaded 2-core box
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_run_inputs, tmp_path):  # noqa: F811
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_run_inputs, tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    _train(tiny_run_inputs, straight, 1, *SETTINGS)
+    run_train(tiny_run_inputs, straight, 1, *SETTINGS)
     crashed.mkdir()
     _start_and_kill_after_checkpoint(tiny_run_inputs, crashed, checkpoint_step=2)
-    summary = _train(tiny_run_inputs, crashed, 1, *SETTINGS)
+    summary = run_train(tiny_run_inputs, crashed, 1, *SETTINGS)
     want, got = _per_step(straight), _per_step(crashed)
     assert sorted(want) == sorted(got) == list(range(STEPS + 1))
     for step in range(3, STEPS + 1):

@@ -7,47 +7,20 @@ processes) on rank 0.
 """
 import importlib.util
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.rollout.tiny_models import build_tiny_rl_inputs
 from tests.torchrun import run_torchrun
-
-CLI = Path(__file__).resolve().parents[2] / "megatron_fp8rl" / "cli.py"
-
-
-@pytest.fixture(scope="module")
-def tiny_run_inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl")
-    return build_tiny_rl_inputs(root)
-
-
-def _train(inputs, run_dir: Path, nproc: int, *overrides: str) -> dict:
-    model, prompts = inputs
-    output = run_torchrun(
-        CLI, nproc, "train", f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={prompts}",
-        "data.eval_size=8", "data.reward=tests.trainer.reward_fns:first_word_even", "train.steps=2",
-        "rollout.n_samples=4", "data.prompts_per_step=2", "rollout.max_new_tokens=6",
-        "train.micro_batch_size=4", "train.eval_every=2", "train.lr=1e-3", f"run_dir={run_dir}",
-        *overrides, timeout=900)
-    return json.loads(re.search(r"^\{.*?^\}", output, re.S | re.M).group(0))
-
-
-def _scalars(run_dir: Path) -> dict[str, list[float]]:
-    events = EventAccumulator(str(run_dir / "tb"))
-    events.Reload()
-    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+from tests.trainer.conftest import CLI, run_train, tb_scalars
 
 
 @pytest.mark.multiprocess
 def test_train_tp1_end_to_end(tiny_run_inputs, tmp_path):
-    summary = _train(tiny_run_inputs, tmp_path, 1)
-    scalars = _scalars(tmp_path)
+    summary = run_train(tiny_run_inputs, tmp_path, 1)
+    scalars = tb_scalars(tmp_path)
     for tag in ("reward/mean", "train/pg_loss", "train/grad_norm", "train/entropy",
                 "train/mismatch_abs_logprob_diff_mean", "train/mismatch_k3_kl", "train/tis_clip_frac",
                 "time/rollout_s", "time/train_s", "time/sync_s", "eval/accuracy", "eval/gained",
@@ -75,8 +48,8 @@ def test_train_tp1_end_to_end(tiny_run_inputs, tmp_path):
 @pytest.mark.multiprocess
 def test_train_tp2_with_fp8_trainer(tiny_run_inputs, tmp_path):
     """TP=2 across 2 processes, trainer linears in calibrated FP8 (rollout stays fp32)."""
-    _train(tiny_run_inputs, tmp_path, 2, "model.tensor_parallel=2", "model.fp8=calibrated")
-    scalars = _scalars(tmp_path)
+    run_train(tiny_run_inputs, tmp_path, 2, "model.tensor_parallel=2", "model.fp8=calibrated")
+    scalars = tb_scalars(tmp_path)
     mismatch = scalars["train/mismatch_abs_logprob_diff_mean"]
     assert len(mismatch) == 2
     # FP8 trainer vs fp32 rollout: a real but bounded mismatch (FP8 noise on a tiny model)
@@ -111,10 +84,10 @@ def test_aligned_fp8_rollout_removes_the_mismatch(tiny_run_inputs, tmp_path):
     rollout.fp8=aligned (SGLang serves the trainer's FP8 weights and bounds; the recompute freezes
     them). The logged trainer/rollout mismatch must fall far below the fp32-rollout case."""
     common = ("model.fp8=calibrated", "train.eval_every=0", "algorithm.dynamic_sampling=false")
-    _train(tiny_run_inputs, tmp_path / "fp32", 1, *common)
-    _train(tiny_run_inputs, tmp_path / "aligned", 1, *common, "rollout.fp8=aligned")
-    baseline = _scalars(tmp_path / "fp32")["train/mismatch_abs_logprob_diff_mean"]
-    aligned = _scalars(tmp_path / "aligned")["train/mismatch_abs_logprob_diff_mean"]
+    run_train(tiny_run_inputs, tmp_path / "fp32", 1, *common)
+    run_train(tiny_run_inputs, tmp_path / "aligned", 1, *common, "rollout.fp8=aligned")
+    baseline = tb_scalars(tmp_path / "fp32")["train/mismatch_abs_logprob_diff_mean"]
+    aligned = tb_scalars(tmp_path / "aligned")["train/mismatch_abs_logprob_diff_mean"]
     print(f"mismatch mean |dlogp| per step: fp32 rollout {baseline}, aligned FP8 rollout {aligned}")
     assert len(aligned) == 2 and len(baseline) == 2
     assert max(aligned) * 20 < min(baseline)
@@ -134,10 +107,10 @@ def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path,
     bit: the recompute's (decoupled), or the rollout's own (bypass, which skips the recompute: on
     the tiny model aligned rollouts are bit-identical to the trainer).
     1 torchrun process + SGLang's 2."""
-    _train(tiny_run_inputs, tmp_path, 1, f"model.fp8={recipe}", "rollout.fp8=aligned",
+    run_train(tiny_run_inputs, tmp_path, 1, f"model.fp8={recipe}", "rollout.fp8=aligned",
            "algorithm.name=grpo", "algorithm.clip_high=0.2", "train.mini_batches=1",
            "train.eval_every=0", "algorithm.dynamic_sampling=false", *old_policy)
-    scalars = _scalars(tmp_path)
+    scalars = tb_scalars(tmp_path)
     # bypass: π_old is SGLang's logprob, whose final norm, lm_head and log-softmax round apart from
     # the trainer's in the last bits (measured: ratio 1 - 2e-7); decoupled: exactly 1
     slack = 1e-5 if "bypass" in old_policy[0] else 0.0
@@ -169,7 +142,7 @@ def test_aligned_groupwise_smollm2_ratio_is_exactly_one(tmp_path):
                  "model.fp8=groupwise", "rollout.fp8=aligned", "algorithm.name=grpo", "train.mini_batches=1",
                  "algorithm.dynamic_sampling=false", "algorithm.old_policy=decoupled",
                  f"run_dir={tmp_path / 'run'}", timeout=1500)
-    scalars = _scalars(tmp_path / "run")
+    scalars = tb_scalars(tmp_path / "run")
     for tag in ("train/ratio_min", "train/ratio_max", "train/ratio_mean"):
         assert scalars[tag] == [1.0], (tag, scalars[tag])
     for tag in ("train/clip_frac_low", "train/clip_frac_high", "noise/train_forward_abs_delta_max"):
@@ -183,11 +156,11 @@ def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
     calibrated FP8 trainer, 2 mini-batches, a calibration every step. Both steps run the shadow
     forwards and log the diagnostic; the bounds leave the configured interval and stay within
     their limits; a checkpoint keeps them."""
-    summary = _train(tiny_run_inputs, tmp_path, 2, "model.tensor_parallel=2", "model.fp8=calibrated",
+    summary = run_train(tiny_run_inputs, tmp_path, 2, "model.tensor_parallel=2", "model.fp8=calibrated",
                      "algorithm.clip_calibration=shadow", "algorithm.clip_calibration_every=1",
                      "train.mini_batches=2", "train.micro_batch_size=2", "train.eval_every=0",
                      "algorithm.dynamic_sampling=false", "checkpoint.every=2")
-    scalars = _scalars(tmp_path)
+    scalars = tb_scalars(tmp_path)
     assert scalars["clip/calibrations"] == [1.0, 2.0], scalars["clip/calibrations"]
     assert scalars["clip/calibrated"] == [1.0, 1.0]
     # NaN (a step whose m* has no token of a sign) is not written to tensorboard
@@ -202,16 +175,17 @@ def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
     assert state["clip_calibration"]["calibrated"] == pytest.approx([low[-1], high[-1]])
 
 
+@pytest.mark.multiprocess
 def test_train_bf16_checkpoints_resumes_and_exports(tiny_run_inputs, tmp_path):
     """1 process, twice: model.dtype=bfloat16 (Megatron mixed precision) with SGLang serving
     bf16; a 1-step run that checkpoints, then the same run_dir continued to step 2 from it."""
     bf16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16", "train.eval_every=0", "checkpoint.every=1",
             "algorithm.dynamic_sampling=false")
-    _train(tiny_run_inputs, tmp_path, 1, *bf16, "train.steps=1")
+    run_train(tiny_run_inputs, tmp_path, 1, *bf16, "train.steps=1")
     step1 = load_file(tmp_path / "hf" / "model.safetensors")
-    summary = _train(tiny_run_inputs, tmp_path, 1, *bf16, "train.steps=2")
+    summary = run_train(tiny_run_inputs, tmp_path, 1, *bf16, "train.steps=2")
     assert (tmp_path / "checkpoints" / "latest").read_text().strip().endswith("2")
-    mismatch = _scalars(tmp_path)["train/mismatch_abs_logprob_diff_mean"]
+    mismatch = tb_scalars(tmp_path)["train/mismatch_abs_logprob_diff_mean"]
     print(f"bf16 trainer vs bf16 SGLang, mean |dlogp| per step: {mismatch}")
     # both sides round to bf16 (8 significant bits) in different kernels: a real mismatch, far
     # above fp32's (< 1e-3, test_train_tp1_end_to_end), bounded well below FP8's (~1e-2..0.5)

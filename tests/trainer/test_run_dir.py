@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.run_dir import RunDirError, check_run_dir, claim_run_dir
+from tests.conftest import meet_permission_bits
 from tests.rollout.tiny_models import build_tiny_model
-from tests.torchrun import REPO, free_port
+from tests.torchrun import REPO
 
 
 def _cfg(model, run_dir, **train):
@@ -54,6 +56,24 @@ def test_previous_outputs_without_record_are_refused(models, tmp_path):
     (tmp_path / "init_megatron").mkdir()
     with pytest.raises(RunDirError, match="holds init_megatron but no provenance.json"):
         check_run_dir(_cfg(models["a"], tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_unwritable_run_dir_is_refused_naming_it(models, tmp_path):
+    """As the trainer calls them, in a process that meets permission bits (as root too): before,
+    a PermissionError traceback naming the hidden `.provenance.json.tmp`."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o555)
+    script = ("import sys\nfrom pathlib import Path\n"
+              "from megatron_fp8rl.config.loader import load_config\n"
+              "from megatron_fp8rl.trainer.config import RunConfig\n"
+              "from megatron_fp8rl.trainer.run_dir import check_run_dir, claim_run_dir\n"
+              "cfg = load_config(RunConfig, None, [f'model.hf_path={sys.argv[1]}', f'run_dir={sys.argv[2]}'])\n"
+              "claim_run_dir(Path(cfg.run_dir), check_run_dir(cfg))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(models["a"]), str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, preexec_fn=meet_permission_bits)
+    assert (f"RunDirError: run_dir={run_dir}: permission denied: cannot create entries in {run_dir}"
+            in done.stderr), done.stderr[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -7,27 +7,14 @@ Starts torchrun with 1 process; its rank 0 starts the in-process SGLang engine (
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
-import psutil
 import pytest
 
 from megatron_fp8rl.trainer.checkpoint import checkpoint_problem
-from tests.torchrun import REPO, _kill_marked, free_port
-from tests.trainer.test_rl_train import CLI, tiny_run_inputs  # noqa: F401 (fixture)
-
-
-def _marked(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("MEGATRON_FP8RL_TEST_RUN") == marker:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+from tests.torchrun import REPO, kill_marked, marked_processes
+from tests.trainer.conftest import train_command
 
 
 def _wait_for(condition, proc, timeout_s: float, what: str) -> None:
@@ -40,30 +27,24 @@ def _wait_for(condition, proc, timeout_s: float, what: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1200)
-def test_sigterm_stops_after_the_step_with_a_checkpoint(tiny_run_inputs, tmp_path):  # noqa: F811
-    model, prompts = tiny_run_inputs
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tiny_run_inputs, tmp_path):
     marker, log_path, run_dir = uuid.uuid4().hex, tmp_path / "run.log", tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MEGATRON_FP8RL_TEST_RUN=marker)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(CLI), "train", f"model.hf_path={model}",
-           f"data.train={prompts}", f"data.eval={prompts}", "data.eval_size=8",
-           "data.reward=tests.trainer.reward_fns:first_word_even", "train.steps=30", "rollout.n_samples=4",
-           "data.prompts_per_step=2", "rollout.max_new_tokens=6", "train.eval_every=0",
-           "checkpoint.every=100", f"run_dir={run_dir}"]
+    cmd = train_command(tiny_run_inputs, run_dir, "train.steps=30", "train.eval_every=0", "checkpoint.every=100")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)
     try:
         _wait_for(lambda: " 1/30 " in log_path.read_text(), proc, 900, "step 1")
-        trainer = [p for p in _marked(marker) if "train" in p.cmdline() and p.pid != proc.pid
+        trainer = [p for p in marked_processes(marker) if "train" in p.cmdline() and p.pid != proc.pid
                    and p.ppid() == proc.pid]
-        assert len(trainer) == 1, [p.cmdline() for p in _marked(marker)]
+        assert len(trainer) == 1, [p.cmdline() for p in marked_processes(marker)]
         trainer[0].send_signal(signal.SIGTERM)
         code = proc.wait(timeout=300)
     finally:
         time.sleep(2)  # let the shutdown finish before looking for leftovers
-        leftovers = [p.cmdline()[:3] for p in _marked(marker)]
-        _kill_marked(marker)
+        leftovers = [p.cmdline()[:3] for p in marked_processes(marker)]
+        kill_marked(marker)
     output = log_path.read_text()
     assert code != 0, output[-3000:]
     stopped = [line for line in output.splitlines() if "stopped by SIGTERM after step" in line]
