@@ -16,8 +16,10 @@ A user error (bad config value, missing or damaged input, refused output) prints
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -166,12 +168,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_known_library_warnings() -> None:
-    """Megatron warns at import that apex/TE are absent and about deprecated gloo collectives;
-    on the CPU tier that is expected and would bury the progress bar."""
-    for pattern in (".*Apex (are|is) not installed", "full scope is deprecated",
-                    ".*is deprecated. Please use `torch.distributed", "The .grad attribute of a Tensor"):
-        warnings.filterwarnings("ignore", message=pattern)
+EXPECTED_WARNINGS = (
+    ("UserWarning", "Transformer Engine and Apex are not installed"),  # Megatron: local fallbacks
+    ("UserWarning", "Apex is not installed"),
+    ("UserWarning", "full scope is deprecated"),  # Megatron's own default cuda_graph_scope
+    ("UserWarning", "The .grad attribute of a Tensor"),
+    ("FutureWarning", "`torch.distributed."),  # collectives Megatron 0.16 calls, renamed in torch 2.13
+    ("FutureWarning", "`load_state_dict` is deprecated"),  # Megatron's dist_checkpointing on torch 2.13
+    ("FutureWarning", "Please use DTensor instead and we are deprecating ShardedTensor"),
+    ("UserWarning", "Only CUDA"),  # SGLang: its AWQ/GGUF kernels are GPU-only (we use neither)
+    ("UserWarning", "Triton is not supported on current platform"),  # SGLang: CPU fallback
+)
+"""(category, start of the message) of library warnings that are expected on the CPU tier and
+would bury the progress bar. Errors are never filtered."""
+
+
+def _quiet_known_library_warnings(env=os.environ) -> None:
+    """Ignore EXPECTED_WARNINGS here and, through PYTHONWARNINGS, in the processes this one
+    starts (SGLang's scheduler and detokenizer, the converter subprocess), which do not inherit
+    this process's filters."""
+    for category, start in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(start), category=getattr(builtins, category))
+    # PYTHONWARNINGS splits on commas and matches a message's start literally
+    present = [entry for entry in env.get("PYTHONWARNINGS", "").split(",") if entry]
+    ours = [f"ignore:{start}:{category}" for category, start in EXPECTED_WARNINGS]
+    env["PYTHONWARNINGS"] = ",".join(present + [entry for entry in ours if entry not in present])
 
 
 def main(argv: list[str] | None = None) -> int:
