@@ -151,14 +151,18 @@ def _make_batch(cfg: RunConfig, samples: list[RolloutSample], rewards: torch.Ten
 def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
     """log π_old of every position, [B, S] (or more rows: micro-batch padding), recomputed by the
     trainer before the update (real values on the last pipeline stage, zeros elsewhere, where the
-    loss is not computed)."""
+    loss is not computed). Aligned FP8 rollouts: in the rollout's arithmetic (served scales,
+    SGLang's attention calls), bit-identical to it through every decoder layer. Otherwise those bits
+    are out of reach and the recompute runs as the training forward does (one batched attention
+    call a layer instead of one a row, ~S times fewer calls); in float32 the first mini-batch's
+    PPO ratio is then exactly 1."""
     micro = micro_batches(batch, ctx.cfg.train.micro_batch_size)
     scales = _served_scales(ctx)
-    if scales is not None:  # recompute with exactly the FP8 scales the rollout engine served
+    if scales is not None:
         with ctx.actor.frozen_fp8(scales):
             per_micro = ctx.actor.logprobs(micro)
     else:
-        per_micro = ctx.actor.logprobs(micro)
+        per_micro = ctx.actor.logprobs(micro, as_served=False)
     return torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs)
 
 
@@ -248,17 +252,19 @@ def _colocated_engine(ctx: StepContext) -> bool:
 
 
 def sync_weights(ctx: StepContext, version: int) -> None:
-    """Trainer weights -> rollout engine (through a torch_dist snapshot, any TP/PP), quantized
-    for rollout.fp8 (rollout_fp8.rollout_tensors); aligned mode also sends the trainer's FP8
-    scales and keeps them for the next old-logprob recompute."""
-    directory = ctx.actor.save_weights(ctx.sync_dir)
+    """Trainer weights -> rollout engine, quantized for rollout.fp8 (rollout_fp8.rollout_tensors);
+    aligned mode also sends the trainer's FP8 scales and keeps them for the next old-logprob
+    recompute. At TP = PP = 1 straight from the model; otherwise through a torch_dist snapshot
+    (any TP/PP), which costs a checkpoint written (fsync'd) and read back on every step."""
+    in_memory = ctx.cfg.model.tensor_parallel == 1 and ctx.cfg.model.pipeline_parallel == 1
+    directory = None if in_memory else ctx.actor.save_weights(ctx.sync_dir)
     mode = ctx.cfg.rollout.fp8
     scales = ctx.actor.aligned_scales() if mode == "aligned" else None
     if _colocated_engine(ctx):
         ctx.engine.resume_memory(["weights"])  # back before they are written; no-op unless released
     if ctx.engine is not None:
-        tensors = rollout_tensors(ctx.actor.hf_tensors(directory),
-                                  int(ctx.actor.hf_config["num_hidden_layers"]), mode, scales)
+        weights = ctx.actor.hf_tensors_in_memory() if in_memory else ctx.actor.hf_tensors(directory)
+        tensors = rollout_tensors(weights, int(ctx.actor.hf_config["num_hidden_layers"]), mode, scales)
         ctx.engine.update_weights(tensors, version=version)
     if _colocated_engine(ctx):
         ctx.engine.resume_memory()  # KV cache and CUDA graphs

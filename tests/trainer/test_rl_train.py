@@ -148,6 +148,21 @@ def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path,
 
 
 @pytest.mark.multiprocess
+def test_float32_recompute_runs_as_the_training_forward(tiny_run_inputs, tmp_path):
+    """float32 trainer and rollouts, decoupled, one mini-batch: the old-logprob recompute runs as
+    the training forward does (one batched attention call a layer), so the update's forward at
+    θ = θ_old equals π_old bit for bit and the PPO ratio is exactly 1 (before: the recompute
+    repeated SGLang's per-row attention calls, ~S times as many, and the ratio carried their
+    rounding). 1 torchrun process + SGLang's 2."""
+    _train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip_high=0.2",
+           "train.mini_batches=1", "train.eval_every=0", "algorithm.dynamic_sampling=false")
+    scalars = _scalars(tmp_path)
+    assert scalars["noise/train_forward_abs_delta_max"] == [0.0, 0.0]
+    for tag in ("train/ratio_min", "train/ratio_max"):
+        assert scalars[tag] == [1.0, 1.0], (tag, scalars[tag])
+
+
+@pytest.mark.multiprocess
 def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
     """algorithm.clip_calibration=shadow end to end at TP=2 (2 torchrun processes + SGLang's 2):
     calibrated FP8 trainer, 2 mini-batches, a calibration every step. Both steps run the shadow
