@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import json
+import logging
 import os
 import re
 import sys
@@ -77,7 +78,9 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_fp8rl.trainer.config import RunConfig
     from megatron_fp8rl.trainer.loop import train
     from megatron_fp8rl.trainer.stop import StopRequested
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a run reads local checkpoints: its bar is the only one
     cfg = load_config(RunConfig, args.config, args.overrides)
     layout = init_distributed(cfg.model.tensor_parallel, cfg.model.pipeline_parallel, seed=cfg.train.seed)
     try:
@@ -183,6 +186,18 @@ EXPECTED_WARNINGS = (
 would bury the progress bar. Errors are never filtered."""
 
 
+EXPECTED_LOG_LINES = (
+    ("sglang.srt.entrypoints.engine", "Using custom SIGQUIT handler"),  # logged at ERROR level
+)
+"""(logger, start of the message) of library log records that report nothing wrong."""
+
+
+def _quiet_known_library_logs() -> None:
+    """Drop EXPECTED_LOG_LINES (logger filters: every other record of those loggers still shows)."""
+    for name, start in EXPECTED_LOG_LINES:
+        logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
+
+
 def _quiet_known_library_warnings(env=os.environ) -> None:
     """Ignore EXPECTED_WARNINGS here and, through PYTHONWARNINGS, in the processes this one
     starts (SGLang's scheduler and detokenizer, the converter subprocess), which do not inherit
@@ -197,6 +212,7 @@ def _quiet_known_library_warnings(env=os.environ) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_library_warnings()
+    _quiet_known_library_logs()
     versions.gate(os.environ)
     args = build_parser().parse_args(argv)
     try:

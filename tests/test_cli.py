@@ -82,3 +82,17 @@ def test_expected_library_warnings_are_quiet_here_and_in_started_processes():
     result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True)
     assert "an unexpected library warning" in result.stderr
     assert "Only CUDA" not in result.stderr and "torch.distributed" not in result.stderr
+
+
+def test_sglang_sigquit_notice_is_dropped_and_its_errors_still_show(caplog):
+    """Before: every SGLang start logged 'Using custom SIGQUIT handler: ...' at ERROR level."""
+    import logging
+
+    from megatron_fp8rl.cli import _quiet_known_library_logs
+
+    _quiet_known_library_logs()
+    logger = logging.getLogger("sglang.srt.entrypoints.engine")
+    with caplog.at_level(logging.ERROR, logger="sglang.srt.entrypoints.engine"):
+        logger.error("Using custom SIGQUIT handler: <bound method SGLangEngine._on_signal>")
+        logger.error("Scheduler hit an exception: Traceback ...")
+    assert [record.getMessage() for record in caplog.records] == ["Scheduler hit an exception: Traceback ..."]

@@ -180,7 +180,8 @@ def plan_lines(cfg: RunConfig, train_size: int, eval_size: int) -> list[str]:
     data, rollout, train_cfg, run_dir = cfg.data, cfg.rollout, cfg.train, Path(cfg.run_dir)
     task = (f"built-in arithmetic ({', '.join(data.arithmetic_ops)})" if data.train == "builtin:arithmetic"
             else data.train)
-    evals = f"greedy eval every {train_cfg.eval_every} steps" if train_cfg.eval_every else "no eval"
+    evals = (f"greedy eval at the start, every {train_cfg.eval_every} steps and at the end"
+             if train_cfg.eval_every else "no eval")
     return [f"model  {cfg.model.hf_path} (trainer FP8 {cfg.model.fp8}, rollout FP8 {rollout.fp8})",
             f"task   {task}: {train_size} training prompts, {eval_size} held out, reward {data.reward}",
             f"steps  {train_cfg.steps} x {data.prompts_per_step} prompts x {rollout.n_samples} samples "

@@ -29,7 +29,7 @@ def test_plan_names_model_task_steps_and_where_logs_go():
                                         "data.arithmetic_ops=[mul,mul2]", "train.eval_every=5"])
     plan = "\n".join(plan_lines(cfg, train_size=1000, eval_size=300))
     for expected in ("/models/smol", "built-in arithmetic (mul, mul2): 1000 training prompts, 300 held out",
-                     "7 x 4 prompts x 6 samples", "greedy eval every 5 steps", "/runs/x/tb",
+                     "7 x 4 prompts x 6 samples", "every 5 steps and at the end", "/runs/x/tb",
                      "/runs/x/summary.json", "/runs/x/hf"):
         assert expected in plan
 
