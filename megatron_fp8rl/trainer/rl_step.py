@@ -64,8 +64,8 @@ def rl_step(ctx: StepContext, prompts: list[list[int]], answers: list[str], more
         ctx.engine.release_memory()
     with _timed(ctx, "advantages"):
         batch = _make_batch(ctx.cfg, samples, rewards)
-    with _timed(ctx, "recompute"):  # bypass: the rollout logprobs are π_old, nothing to recompute
-        old_logprobs = None if ctx.cfg.algorithm.old_policy == "bypass" else _old_logprobs(ctx, batch)
+    with _timed(ctx, "recompute"):
+        old_logprobs = _old_logprobs(ctx, batch) if _recompute_needed(ctx.cfg) else None
     with _timed(ctx, "train"):
         train_metrics = {**_train(ctx, batch, old_logprobs, step), **ctx.actor.fp8_metrics()}
     with _timed(ctx, "sync"):
@@ -148,6 +148,18 @@ def _make_batch(cfg: RunConfig, samples: list[RolloutSample], rewards: torch.Ten
     return build_batch(samples, advantages.flatten(), length)
 
 
+def _recompute_needed(cfg: RunConfig) -> bool:
+    """Whether π_old is recomputed before the update. Not with bypass (π_old is the rollout's),
+    nor with one mini-batch: the update's only forward runs at θ = θ_old, so its own detached
+    logprobs are π_old (objective.make_loss_fn); in float32, and for aligned FP8 in the rollout's
+    arithmetic, a recompute gives the same bits (tests/trainer/test_rl_train.py). Calibrated
+    Clipping and noise-calibrated TIS/MIS read the whole batch's π_old before the update."""
+    algo = cfg.algorithm
+    if algo.old_policy == "bypass":
+        return False
+    return cfg.train.mini_batches > 1 or algo.clip_calibration != "none" or algo.noise_correction
+
+
 def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
     """log π_old of every position, [B, S] (or more rows: micro-batch padding), recomputed by the
     trainer before the update (real values on the last pipeline stage, zeros elsewhere, where the
@@ -179,7 +191,8 @@ def _served_scales(ctx: StepContext) -> dict | None:
 def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | None,
            step: int) -> dict[str, float]:
     """One optimizer step per mini-batch on this rank's DP slice; metrics averaged over steps.
-    `old_logprobs` None: bypass mode, where the first mini-batch measures the noise floor (objective.py).
+    `old_logprobs` None: no recompute ran (bypass, or one mini-batch: `_recompute_needed`); the first
+    mini-batch measures the noise floor from its own forward (objective.py).
     Aligned FP8 rollouts: the first mini-batch (θ = θ_old) trains on a forward in the rollout's
     own arithmetic (MegatronActor.train's served_scales), so its PPO ratio is exactly 1.
     Calibrated Clipping: the bounds in force clip every mini-batch; a calibrating step also runs
