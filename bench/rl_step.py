@@ -21,6 +21,9 @@ the first step of each side is a warm-up and is not averaged. The box is shared:
         [--new-tokens 24] [--micro-batch 16] [--project-overrides KEY=VALUE ...] [--profile FILE]
 `--profile FILE` writes a cProfile of the project's measured steps (rank 0's process; SGLang's
 scheduler runs in its own process and shows up as waiting).
+Memory: one row holds two models with their optimizers and an SGLang engine (~6 GB at 8 x 8); the
+second row ran at ~9.5 GB RSS after the first in the same process (Megatron's global state keeps
+the first actor alive), so on a small or shared box run one row per invocation (`--rows fp32`).
 """
 from __future__ import annotations
 
