@@ -16,8 +16,11 @@ A user error (bad config value, missing or damaged input, refused output) prints
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
+import logging
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -76,7 +79,9 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_fp8rl.trainer.config import RunConfig
     from megatron_fp8rl.trainer.loop import train
     from megatron_fp8rl.trainer.stop import StopRequested
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a run reads local checkpoints: its bar is the only one
     cfg = load_config(RunConfig, args.config, args.overrides)
     layout = init_distributed(cfg.model.tensor_parallel, cfg.model.pipeline_parallel, seed=cfg.train.seed)
     try:
@@ -167,16 +172,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_known_library_warnings() -> None:
-    """Megatron warns at import that apex/TE are absent and about deprecated gloo collectives;
-    on the CPU tier that is expected and would bury the progress bar."""
-    for pattern in (".*Apex (are|is) not installed", "full scope is deprecated",
-                    ".*is deprecated. Please use `torch.distributed", "The .grad attribute of a Tensor"):
-        warnings.filterwarnings("ignore", message=pattern)
+EXPECTED_WARNINGS = (
+    ("UserWarning", "Transformer Engine and Apex are not installed"),  # Megatron: local fallbacks
+    ("UserWarning", "Apex is not installed"),
+    ("UserWarning", "full scope is deprecated"),  # Megatron's own default cuda_graph_scope
+    ("UserWarning", "The .grad attribute of a Tensor"),
+    ("FutureWarning", "`torch.distributed."),  # collectives Megatron 0.16 calls, renamed in torch 2.13
+    ("FutureWarning", "`load_state_dict` is deprecated"),  # Megatron's dist_checkpointing on torch 2.13
+    ("FutureWarning", "Please use DTensor instead and we are deprecating ShardedTensor"),
+    ("UserWarning", "Only CUDA"),  # SGLang: its AWQ/GGUF kernels are GPU-only (we use neither)
+    ("UserWarning", "Triton is not supported on current platform"),  # SGLang: CPU fallback
+)
+"""(category, start of the message) of library warnings that are expected on the CPU tier and
+would bury the progress bar. Errors are never filtered."""
+
+
+EXPECTED_LOG_LINES = (
+    ("sglang.srt.entrypoints.engine", "Using custom SIGQUIT handler"),  # logged at ERROR level
+)
+"""(logger, start of the message) of library log records that report nothing wrong."""
+
+
+def _quiet_known_library_logs() -> None:
+    """Drop EXPECTED_LOG_LINES (logger filters: every other record of those loggers still shows)."""
+    for name, start in EXPECTED_LOG_LINES:
+        logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
+
+
+def _quiet_known_library_warnings(env=os.environ) -> None:
+    """Ignore EXPECTED_WARNINGS here and, through PYTHONWARNINGS, in the processes this one
+    starts (SGLang's scheduler and detokenizer, the converter subprocess), which do not inherit
+    this process's filters."""
+    for category, start in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(start), category=getattr(builtins, category))
+    # PYTHONWARNINGS splits on commas and matches a message's start literally
+    present = [entry for entry in env.get("PYTHONWARNINGS", "").split(",") if entry]
+    ours = [f"ignore:{start}:{category}" for category, start in EXPECTED_WARNINGS]
+    env["PYTHONWARNINGS"] = ",".join(present + [entry for entry in ours if entry not in present])
 
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_library_warnings()
+    _quiet_known_library_logs()
     versions.gate(os.environ)
     args = build_parser().parse_args(argv)
     try:

@@ -55,3 +55,44 @@ def test_parser_constants_match_the_converters():
 
     assert cli_commands.EXPORT_SCHEMES == fp8_export.SCHEMES
     assert cli_commands.DEFAULT_SHARD_GB * 2**30 == megatron_to_hf.DEFAULT_SHARD_BYTES
+
+
+def test_expected_library_warnings_are_quiet_here_and_in_started_processes():
+    """Before: Megatron's TE/Apex and SGLang's CUDA-only warnings printed from SGLang's spawned
+    scheduler, which does not inherit this process's filters. Other warnings still show."""
+    import subprocess
+    import sys
+    import warnings
+
+    from megatron_fp8rl.cli import _quiet_known_library_warnings
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore::ResourceWarning"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _quiet_known_library_warnings(env)
+        _quiet_known_library_warnings(env)  # idempotent
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+        warnings.warn("an unexpected library warning")
+    assert [str(w.message) for w in caught] == ["an unexpected library warning"]
+    assert env["PYTHONWARNINGS"].startswith("ignore::ResourceWarning,")
+    assert len(env["PYTHONWARNINGS"].split(",")) == 10
+    child = ("import warnings; warnings.warn('Only CUDA, HIP and XPU support AWQ currently.'); "
+             "warnings.warn('`torch.distributed.all_gather_into_tensor` is deprecated.', FutureWarning); "
+             "warnings.warn('an unexpected library warning')")
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True)
+    assert "an unexpected library warning" in result.stderr
+    assert "Only CUDA" not in result.stderr and "torch.distributed" not in result.stderr
+
+
+def test_sglang_sigquit_notice_is_dropped_and_its_errors_still_show(caplog):
+    """Before: every SGLang start logged 'Using custom SIGQUIT handler: ...' at ERROR level."""
+    import logging
+
+    from megatron_fp8rl.cli import _quiet_known_library_logs
+
+    _quiet_known_library_logs()
+    logger = logging.getLogger("sglang.srt.entrypoints.engine")
+    with caplog.at_level(logging.ERROR, logger="sglang.srt.entrypoints.engine"):
+        logger.error("Using custom SIGQUIT handler: <bound method SGLangEngine._on_signal>")
+        logger.error("Scheduler hit an exception: Traceback ...")
+    assert [record.getMessage() for record in caplog.records] == ["Scheduler hit an exception: Traceback ..."]

@@ -20,6 +20,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
 from megatron_fp8rl.compat.megatron_fp8_linear import (
@@ -176,6 +179,32 @@ class MegatronActor:
         units = plan_megatron_to_hf(self.hf_config, read_tensor_metadata(directory))
         for unit in units:
             yield from split_unit(unit, read_unit(directory, unit)).items()
+
+    def hf_tensors_in_memory(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`hf_tensors` of the current weights straight from the model, without a checkpoint
+        written and read back: the same ShardedTensors `save_weights` would write, assembled per
+        (key, layer) as the checkpoint reader would (same table, same checks). Only where this
+        rank holds every weight (TP = PP = 1); ValueError otherwise."""
+        if (parallel_state.get_tensor_model_parallel_world_size() != 1
+                or parallel_state.get_pipeline_model_parallel_world_size() != 1):
+            raise ValueError("hf_tensors_in_memory needs TP = PP = 1 (this rank must hold every "
+                             "weight); use save_weights + hf_tensors")
+        sharded = self.model.module.sharded_state_dict()
+        apply_factories(sharded)
+        slices, metadata = {}, {}
+        for tensor in nested_values(sharded):
+            if not isinstance(tensor, ShardedTensor) or tensor.key.endswith("_extra_state"):
+                continue
+            layered = tensor.prepend_axis_num == 1
+            layer = tensor.global_offset[0] if layered else None
+            shape = tuple(tensor.global_shape[1:] if layered else tensor.global_shape)
+            target = slices.setdefault((tensor.key, layer), torch.empty(shape, dtype=tensor.dtype))
+            region = tuple(slice(o, o + n) for o, n in zip(tensor.global_offset[int(layered):], tensor.local_shape))
+            target[region] = tensor.data.detach()
+            metadata[tensor.key] = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype),
+                                                         torch.Size(tensor.global_shape), [])
+        for unit in plan_megatron_to_hf(self.hf_config, metadata):
+            yield from split_unit(unit, slices[(unit.rule.megatron, unit.layer)]).items()
 
     def aligned_scales(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         """All ranks (collective): {(global layer, linear path): (weight_scale_inv, input_scale_inv)}

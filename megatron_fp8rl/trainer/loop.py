@@ -161,11 +161,41 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     check_inputs(cfg)
-    run_dir = Path(cfg.run_dir)
-    cfg.checkpoint.dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     train_records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
     eval_records = load_records(cfg.data.eval, "eval", cfg.data.eval_size, cfg)[:cfg.data.eval_size]
+    if rank == 0:
+        print("\n".join(plan_lines(cfg, len(train_records), len(eval_records))), flush=True)
+    ctx = start_run(cfg, rank, tokenizer)
+    try:
+        with StopSignals() as stops:  # after the engine start: SGLang's handler ignores SIGTERM
+            return _loop(ctx, tokenizer, train_records, eval_records, rank, stops)
+    finally:
+        if ctx.engine is not None:
+            ctx.engine.shutdown()
+
+
+def plan_lines(cfg: RunConfig, train_size: int, eval_size: int) -> list[str]:
+    """The run's plan for the console, before any slow work: model, task, steps, where logs go."""
+    data, rollout, train_cfg, run_dir = cfg.data, cfg.rollout, cfg.train, Path(cfg.run_dir)
+    task = (f"built-in arithmetic ({', '.join(data.arithmetic_ops)})" if data.train == "builtin:arithmetic"
+            else data.train)
+    evals = (f"greedy eval at the start, every {train_cfg.eval_every} steps and at the end"
+             if train_cfg.eval_every else "no eval")
+    return [f"model  {cfg.model.hf_path} (trainer FP8 {cfg.model.fp8}, rollout FP8 {rollout.fp8})",
+            f"task   {task}: {train_size} training prompts, {eval_size} held out, reward {data.reward}",
+            f"steps  {train_cfg.steps} x {data.prompts_per_step} prompts x {rollout.n_samples} samples "
+            f"(<= {rollout.max_new_tokens} tokens), {cfg.algorithm.name}, lr {train_cfg.lr:g}; {evals}",
+            f"logs   {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'}), "
+            f"{run_dir / 'summary.json'}, trained model {run_dir / 'hf'}",
+            "setup  converting the checkpoint, starting SGLang, first eval (a minute or two)"]
+
+
+def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
+    """All ranks: claim the run directory, convert the start checkpoint (once), build the actor
+    and (rank 0) the rollout engine: what every `rl_step` uses. The caller shuts the engine down."""
+    run_dir = Path(cfg.run_dir)
+    cfg.checkpoint.dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
     provenance = check_run_dir(cfg)
     dist.barrier()
     if rank == 0:
@@ -176,18 +206,12 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
     actor = MegatronActor(run_dir / "init_megatron", cfg.model,
                           OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                       clip_grad=cfg.train.clip_grad), cfg.trainer_fp8_gemm)
-    ctx = StepContext(cfg=cfg, actor=actor, engine=_make_engine(cfg) if rank == 0 else None,
-                      reward_fn=load_reward_fn(cfg.data.reward),
-                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      sync_dir=run_dir / "sync",
-                      clip_calibrator=(ClipCalibrator(cfg.algorithm)
-                                       if cfg.algorithm.clip_calibration == "shadow" else None))
-    try:
-        with StopSignals() as stops:  # after the engine start: SGLang's handler ignores SIGTERM
-            return _loop(ctx, tokenizer, train_records, eval_records, rank, stops)
-    finally:
-        if ctx.engine is not None:
-            ctx.engine.shutdown()
+    return StepContext(cfg=cfg, actor=actor, engine=_make_engine(cfg) if rank == 0 else None,
+                       reward_fn=load_reward_fn(cfg.data.reward),
+                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                       sync_dir=run_dir / "sync",
+                       clip_calibrator=(ClipCalibrator(cfg.algorithm)
+                                        if cfg.algorithm.clip_calibration == "shadow" else None))
 
 
 def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int,
@@ -220,8 +244,7 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int,
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             metrics.update(eval_metrics(evaluate(ctx, eval_prompts, eval_answers), eval_start))
         _log(writer, metrics, step)
-        bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
-                         ("reward/mean", "eval/accuracy", "time/rollout_s", "time/train_s") if k in metrics})
+        bar.set_postfix_str(bar_text(metrics))
         summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
         stop = stops.agreed()
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.steps or stop:
@@ -236,6 +259,19 @@ def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int,
         writer.close()
         (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+BAR_PHASES = ("rollout", "recompute", "train", "sync")
+
+
+def bar_text(metrics: dict[str, float]) -> str:
+    """The progress bar's postfix: reward, per-phase seconds of the step, eval accuracy."""
+    parts = [f"reward {metrics['reward/mean']:.3g}"] if "reward/mean" in metrics else []
+    parts += [f"{phase} {metrics[f'time/{phase}_s']:.0f}s" for phase in BAR_PHASES
+              if metrics.get(f"time/{phase}_s", 0) >= 0.5]
+    if "eval/accuracy" in metrics:
+        parts.append(f"eval acc {metrics['eval/accuracy']:.3f}")
+    return ", ".join(parts)
 
 
 def _resume(ctx: StepContext, sampler: PromptSampler) -> tuple[int, dict[str, float]]:

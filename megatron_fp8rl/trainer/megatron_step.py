@@ -19,6 +19,8 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from megatron_fp8rl.compat.megatron_optim import fuse_torch_adam
+
 # A micro-batch is a dict of tensors; the loss function maps (micro-batch, model output) to
 # (scalar loss, metrics dict). Model output is [batch, seq] per-token losses or logits.
 MicroBatch = dict[str, torch.Tensor]
@@ -79,7 +81,9 @@ def build_optimizer(model: DistributedDataParallel, cfg: OptimConfig) -> Megatro
         fp16=model.config.fp16,
         params_dtype=model.config.params_dtype,
     )
-    return get_megatron_optimizer(config, [model])
+    optimizer = get_megatron_optimizer(config, [model])
+    fuse_torch_adam(optimizer)
+    return optimizer
 
 
 @dataclass

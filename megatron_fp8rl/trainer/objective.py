@@ -4,6 +4,8 @@ calibrated to the step's train/rollout noise floor (rl.noise).
 
 Where the noise floor Δ = log π_old − log π_rollout comes from (logged as noise/source_first_forward):
 - decoupled (0): the trainer's recomputed old logprobs of the whole batch, before any update.
+  With one mini-batch no recompute runs (trainer.rl_step): the update's only forward is at θ_old,
+  and its detached logprobs are π_old and the noise source, as in bypass's first mini-batch (1).
 - bypass (1): no recompute runs. The first mini-batch's forward happens at θ_old (no optimizer step
   yet), so each of its micro-batches estimates Δ from its own detached logprobs and clips with the
   interval widened by that estimate; later mini-batches (after an optimizer step, π_old no longer
@@ -127,22 +129,25 @@ def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = 
     per micro-batch: the FP8 ratio's terms a calibration needs (trainer/clip_calibration.py)."""
     algo = cfg.algorithm
     bypass, ratio_level = algo.old_policy == "bypass", algo.ratio_level
-    if noise is None and not bypass:
-        raise ValueError("decoupled mode needs the step's noise floor from the recomputed old logprobs")
+    if noise is None and not (bypass or at_old_policy):
+        raise ValueError("decoupled mode needs the step's noise floor from the recomputed old logprobs "
+                         "(only the update's first forward, at θ_old, can estimate its own)")
     fixed = effective_thresholds(algo, noise, clip_bounds) if noise is not None else None
 
     def loss_fn(mb, logprobs, entropy):
         mask, rollout = mb["response_mask"], mb["rollout_logprobs"]
-        # log π_old where it is known: the recompute, or this forward before any update (bypass)
+        # log π_old where it is known: the recompute, or this forward before any update (bypass;
+        # decoupled without a recompute, where this is the first and only mini-batch)
+        from_forward = noise is None
         if bypass:
-            trainer_old = logprobs.detach() if noise is None else None
+            trainer_old = logprobs.detach() if from_forward else None
         else:
-            trainer_old = mb["old_logprobs"]
+            trainer_old = logprobs.detach() if from_forward else mb["old_logprobs"]
         floor = noise if noise is not None else estimate_noise(trainer_old, rollout, mask,
                                                                noise_levels(algo), ratio_level)
         limits = fixed if fixed is not None else effective_thresholds(algo, floor, clip_bounds)
         metrics = {**floor.metrics(), **limits.metrics(algo.correction),
-                   "noise/source_first_forward": torch.tensor(float(bypass))}
+                   "noise/source_first_forward": torch.tensor(float(bypass or from_forward))}
         weights = None
         if trainer_old is not None:
             metrics.update(mismatch_metrics(trainer_old, rollout, mask))

@@ -7,7 +7,7 @@ rank then trains on its data-parallel slice. Must not import: cli.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -64,8 +64,8 @@ def rl_step(ctx: StepContext, prompts: list[list[int]], answers: list[str], more
         ctx.engine.release_memory()
     with _timed(ctx, "advantages"):
         batch = _make_batch(ctx.cfg, samples, rewards)
-    with _timed(ctx, "recompute"):  # bypass: the rollout logprobs are π_old, nothing to recompute
-        old_logprobs = None if ctx.cfg.algorithm.old_policy == "bypass" else _old_logprobs(ctx, batch)
+    with _timed(ctx, "recompute"):
+        old_logprobs = _old_logprobs(ctx, batch) if _recompute_needed(ctx.cfg) else None
     with _timed(ctx, "train"):
         train_metrics = {**_train(ctx, batch, old_logprobs, step), **ctx.actor.fp8_metrics()}
     with _timed(ctx, "sync"):
@@ -148,17 +148,31 @@ def _make_batch(cfg: RunConfig, samples: list[RolloutSample], rewards: torch.Ten
     return build_batch(samples, advantages.flatten(), length)
 
 
+def _recompute_needed(cfg: RunConfig) -> bool:
+    """Whether π_old is recomputed before the update. Not with bypass (π_old is the rollout's),
+    nor with one mini-batch: the update's only forward runs at θ = θ_old, so its own detached
+    logprobs are π_old (objective.make_loss_fn); in float32, and for aligned FP8 in the rollout's
+    arithmetic, a recompute gives the same bits (tests/trainer/test_rl_train.py). Calibrated
+    Clipping and noise-calibrated TIS/MIS read the whole batch's π_old before the update."""
+    algo = cfg.algorithm
+    if algo.old_policy == "bypass":
+        return False
+    return cfg.train.mini_batches > 1 or algo.clip_calibration != "none" or algo.noise_correction
+
+
 def _old_logprobs(ctx: StepContext, batch: RolloutBatch) -> torch.Tensor:
     """log π_old of every position, [B, S] (or more rows: micro-batch padding), recomputed by the
     trainer before the update (real values on the last pipeline stage, zeros elsewhere, where the
-    loss is not computed)."""
+    loss is not computed). Aligned FP8 rollouts: in the rollout's arithmetic (SGLang's attention
+    calls and, for a shared-scale recipe, the served scales), bit-identical to it through every
+    decoder layer. Otherwise those bits
+    are out of reach and the recompute runs as the training forward does (one batched attention
+    call a layer instead of one a row, ~S times fewer calls); in float32 the first mini-batch's
+    PPO ratio is then exactly 1."""
     micro = micro_batches(batch, ctx.cfg.train.micro_batch_size)
     scales = _served_scales(ctx)
-    if scales is not None:  # recompute with exactly the FP8 scales the rollout engine served
-        with ctx.actor.frozen_fp8(scales):
-            per_micro = ctx.actor.logprobs(micro)
-    else:
-        per_micro = ctx.actor.logprobs(micro)
+    with nullcontext() if scales is None else ctx.actor.frozen_fp8(scales):
+        per_micro = ctx.actor.logprobs(micro, as_served=ctx.cfg.rollout.fp8 == "aligned")
     return torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs)
 
 
@@ -176,7 +190,8 @@ def _served_scales(ctx: StepContext) -> dict | None:
 def _train(ctx: StepContext, batch: RolloutBatch, old_logprobs: torch.Tensor | None,
            step: int) -> dict[str, float]:
     """One optimizer step per mini-batch on this rank's DP slice; metrics averaged over steps.
-    `old_logprobs` None: bypass mode, where the first mini-batch measures the noise floor (objective.py).
+    `old_logprobs` None: no recompute ran (bypass, or one mini-batch: `_recompute_needed`); the first
+    mini-batch measures the noise floor from its own forward (objective.py).
     Aligned FP8 rollouts: the first mini-batch (θ = θ_old) trains on a forward in the rollout's
     own arithmetic (MegatronActor.train's `as_served`, with the served scales of a shared-scale
     recipe), so its PPO ratio is exactly 1.
@@ -252,17 +267,20 @@ def _colocated_engine(ctx: StepContext) -> bool:
 
 
 def sync_weights(ctx: StepContext, version: int) -> None:
-    """Trainer weights -> rollout engine (through a torch_dist snapshot, any TP/PP), quantized
-    for rollout.fp8 (rollout_fp8.rollout_tensors); aligned mode also sends the trainer's FP8
-    scales and keeps them for the next old-logprob recompute."""
-    directory = ctx.actor.save_weights(ctx.sync_dir)
+    """Trainer weights -> rollout engine, quantized for rollout.fp8 (rollout_fp8.rollout_tensors);
+    aligned mode also sends the trainer's FP8 scales and keeps them for the next old-logprob
+    recompute. At TP = PP = 1 straight from the model; otherwise through a torch_dist snapshot
+    (any TP/PP), which costs a checkpoint written (fsync'd) and read back on every step."""
+    in_memory = ctx.cfg.model.tensor_parallel == 1 and ctx.cfg.model.pipeline_parallel == 1
+    directory = None if in_memory else ctx.actor.save_weights(ctx.sync_dir)
     mode = ctx.cfg.rollout.fp8
     scales = ctx.actor.aligned_scales() if shares_scales(mode, ctx.cfg.model.fp8) else None
     if _colocated_engine(ctx):
         ctx.engine.resume_memory(["weights"])  # back before they are written; no-op unless released
     if ctx.engine is not None:
-        tensors = rollout_tensors(ctx.actor.hf_tensors(directory),
-                                  int(ctx.actor.hf_config["num_hidden_layers"]), mode, scales, ctx.cfg.model.fp8)
+        weights = ctx.actor.hf_tensors_in_memory() if in_memory else ctx.actor.hf_tensors(directory)
+        tensors = rollout_tensors(weights, int(ctx.actor.hf_config["num_hidden_layers"]), mode, scales,
+                                  ctx.cfg.model.fp8)
         ctx.engine.update_weights(tensors, version=version)
     if _colocated_engine(ctx):
         ctx.engine.resume_memory()  # KV cache and CUDA graphs

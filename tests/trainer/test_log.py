@@ -17,3 +17,26 @@ def test_first_reward_error_is_printed_and_logged_as_text(tmp_path, capsys):
     (text,) = events.Tensors("reward/first_error/text_summary")
     assert text.step == 7 and b"reward raised KeyError" in text.tensor_proto.string_val[0]
     assert [e.value for e in events.Scalars("reward/errors")] == [3.0]
+
+
+def test_plan_names_model_task_steps_and_where_logs_go():
+    from megatron_fp8rl.config.loader import load_config
+    from megatron_fp8rl.trainer.config import RunConfig
+    from megatron_fp8rl.trainer.loop import plan_lines
+
+    cfg = load_config(RunConfig, None, ["model.hf_path=/models/smol", "run_dir=/runs/x", "train.steps=7",
+                                        "data.prompts_per_step=4", "rollout.n_samples=6",
+                                        "data.arithmetic_ops=[mul,mul2]", "train.eval_every=5"])
+    plan = "\n".join(plan_lines(cfg, train_size=1000, eval_size=300))
+    for expected in ("/models/smol", "built-in arithmetic (mul, mul2): 1000 training prompts, 300 held out",
+                     "7 x 4 prompts x 6 samples", "every 5 steps and at the end", "/runs/x/tb",
+                     "/runs/x/summary.json", "/runs/x/hf"):
+        assert expected in plan
+
+
+def test_progress_bar_shows_each_phase_time():
+    from megatron_fp8rl.trainer.loop import bar_text
+
+    text = bar_text({"reward/mean": 0.25, "time/rollout_s": 12.4, "time/recompute_s": 0.0,
+                     "time/train_s": 40.2, "time/sync_s": 5.1, "eval/accuracy": 0.18})
+    assert text == "reward 0.25, rollout 12s, train 40s, sync 5s, eval acc 0.180"

@@ -1,0 +1,28 @@
+"""The actor's in-memory weight stream (TP = PP = 1), which every weight sync at that layout now
+uses, equals the checkpoint round trip it replaces (save_weights + hf_tensors): the same HF names
+in the same order and bit-equal tensors, for a float32 and a calibrated FP8 trainer. One process
+(gloo), a tiny random Llama (its gated MLP is saved through Megatron's swiglu factory)."""
+import pytest
+import torch
+
+from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
+from megatron_fp8rl.trainer.config import ModelConfig
+from megatron_fp8rl.trainer.megatron_step import OptimConfig
+from tests.rollout.tiny_models import build_tiny_model
+
+
+@pytest.mark.parametrize("fp8", ["none", "calibrated"])
+def test_in_memory_weights_equal_the_checkpoint_round_trip(megatron_tp1, tmp_path, fp8):
+    model = build_tiny_model("llama", tmp_path / "hf")
+    init = convert_initial_checkpoint(model, tmp_path / "init")
+    actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), OptimConfig())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # trained weights: neither side may fall back to the converted start
+        for param in actor.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.01)
+    disk = list(actor.hf_tensors(actor.save_weights(tmp_path / "sync")))
+    memory = list(actor.hf_tensors_in_memory())
+    assert [name for name, _ in memory] == [name for name, _ in disk]
+    assert len(disk) == 3 + 2 * 9  # embeddings, final norm, lm_head; 9 per layer
+    for (name, ours), (_, theirs) in zip(memory, disk):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
