@@ -50,3 +50,7 @@ def tb_scalars(run_dir: Path) -> dict[str, list[float]]:
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+GPU_EXAMPLES = {"qwen3_8b_dapo_fp8.yaml": ("qwen3_8b.yaml", 8), "qwen2_5_32b_grpo_fp8.yaml": ("qwen2_5_32b.yaml", 24)}
+"""The GPU run configs in examples/: {config: (model layout in examples/models, trainer GPUs)}."""

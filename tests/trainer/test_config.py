@@ -7,6 +7,7 @@ from megatron_fp8rl.cli import main
 from megatron_fp8rl.config.loader import ConfigError, load_config
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.loop import check_inputs
+from tests.trainer.conftest import GPU_EXAMPLES
 
 
 def test_unknown_key_suggests_closest(capsys):
@@ -111,9 +112,6 @@ def test_noise_options_set_by_dotted_overrides():
 
 
 # GPU examples: run config -> (model layout file, trainer GPUs in the launch the example describes)
-GPU_EXAMPLES = {"qwen3_8b_dapo_fp8.yaml": ("qwen3_8b.yaml", 8), "qwen2_5_32b_grpo_fp8.yaml": ("qwen2_5_32b.yaml", 24)}
-
-
 @pytest.mark.parametrize("name", sorted(GPU_EXAMPLES))
 def test_gpu_examples_fit_their_model_and_gpus(name):
     """The GPU run configs' TP/PP divide their model's heads, vocab and layers, and their

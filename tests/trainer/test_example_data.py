@@ -13,7 +13,7 @@ from megatron_fp8rl.data.rewards import load_reward_fn
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.loop import load_records
 from tests.torchrun import REPO
-from tests.trainer.test_config import GPU_EXAMPLES
+from tests.trainer.conftest import GPU_EXAMPLES
 
 INSTRUCTION = ("Solve the following math problem step by step. The last line of your response "
                "should be of the form Answer: $Answer (without quotes) where $Answer is the answer "

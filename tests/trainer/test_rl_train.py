@@ -93,6 +93,9 @@ def test_aligned_fp8_rollout_removes_the_mismatch(tiny_run_inputs, tmp_path):
     assert max(aligned) * 20 < min(baseline)
 
 
+ALIGNED_MISMATCH_TOL = 1e-3
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe,old_policy", [
     ("calibrated", ["algorithm.old_policy=decoupled"]),
@@ -121,7 +124,11 @@ def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path,
     for tag in ("train/clip_frac_low", "train/clip_frac_high"):
         assert scalars[tag] == [0.0, 0.0], (tag, scalars[tag])
     assert all(v <= slack for v in scalars["noise/train_forward_abs_delta_max"])
-    assert max(scalars["train/mismatch_abs_logprob_diff_mean"]) < 1e-3
+    # π_old is the rollout's own bits but for the final norm, lm_head and log-softmax (SGLang's
+    # ops, not Megatron's); a training forward off the rollout's arithmetic (batched attention)
+    # flips FP8 codes and lands far above this bound
+    print(f"{recipe} mismatch per step: {scalars['train/mismatch_abs_logprob_diff_mean']}")
+    assert max(scalars["train/mismatch_abs_logprob_diff_mean"]) < ALIGNED_MISMATCH_TOL
 
 
 @pytest.mark.slow

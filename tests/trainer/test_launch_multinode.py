@@ -21,8 +21,8 @@ import pytest
 import requests
 
 from tests.rollout.conftest import needs_sglang, sglang_config
-from tests.torchrun import REPO, _kill_marked, free_port
-from tests.trainer.test_rl_train import _scalars, tiny_run_inputs  # noqa: F401 (fixture)
+from tests.torchrun import REPO, free_port, kill_marked
+from tests.trainer.conftest import tb_scalars
 
 SCRIPT = REPO / "examples" / "launch_multinode.sh"
 pytestmark = [needs_sglang, pytest.mark.multiprocess, pytest.mark.slow]
@@ -50,7 +50,7 @@ def _launch_two_nodes(inputs, run_dir: Path, *overrides: str, timeout: float = 9
                                             start_new_session=True)
         codes = _wait_all_or_first_failure(agents, timeout)
     finally:
-        _kill_marked(marker)
+        kill_marked(marker)
         for agent in agents.values():
             agent.wait()
     outputs = {}
@@ -82,11 +82,11 @@ def _wait_all_or_first_failure(agents: dict[int, subprocess.Popen], timeout: flo
 def _assert_rollouts_follow_the_trainer(run_dir: Path) -> None:
     """fp32 rollout and fp32 trainer on the same weights agree on logprobs; at step 2 only if
     step 1's update reached the rollout side (lr 1e-3 moves logprobs by far more than 1e-3)."""
-    mismatch = _scalars(run_dir)["train/mismatch_abs_logprob_diff_mean"]
+    mismatch = tb_scalars(run_dir)["train/mismatch_abs_logprob_diff_mean"]
     assert len(mismatch) == 2 and max(mismatch) < 1e-3, mismatch
 
 
-def test_two_agents_train_with_tensor_parallel_across_them(tiny_run_inputs, tmp_path):  # noqa: F811
+def test_two_agents_train_with_tensor_parallel_across_them(tiny_run_inputs, tmp_path):
     summary = _launch_two_nodes(tiny_run_inputs, tmp_path, "model.tensor_parallel=2")
     _assert_rollouts_follow_the_trainer(tmp_path)
     assert summary["hf_output"] == str(tmp_path / "hf")
@@ -95,7 +95,7 @@ def test_two_agents_train_with_tensor_parallel_across_them(tiny_run_inputs, tmp_
 
 
 @pytest.fixture
-def rollout_server(tiny_run_inputs):  # noqa: F811
+def rollout_server(tiny_run_inputs):
     """An SGLang server the trainer did not start (the rollout node of a disaggregated job)."""
     from megatron_fp8rl.rollout.sglang_server import SGLangServer
 
@@ -104,7 +104,7 @@ def rollout_server(tiny_run_inputs):  # noqa: F811
     server.close()
 
 
-def test_two_agents_train_data_parallel_from_a_disaggregated_server(tiny_run_inputs, rollout_server,  # noqa: F811
+def test_two_agents_train_data_parallel_from_a_disaggregated_server(tiny_run_inputs, rollout_server,
                                                                      tmp_path):
     _launch_two_nodes(tiny_run_inputs, tmp_path, "rollout.mode=disaggregated",
                       f"rollout.server_url={rollout_server.url}", "rollout.weight_transfer=distributed",
