@@ -164,10 +164,10 @@ def test_float32_recompute_runs_as_the_training_forward(tiny_run_inputs, tmp_pat
     forward at θ = θ_old equals π_old bit for bit (before: the recompute repeated SGLang's per-row
     attention calls, ~S times as many, and the first ratio carried their rounding, 2e-6).
     1 torchrun process + SGLang's 2."""
-    _train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip_high=0.2",
+    run_train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip_high=0.2",
            "train.mini_batches=2", "train.micro_batch_size=2", "train.eval_every=0",
            "algorithm.dynamic_sampling=false")
-    scalars = _scalars(tmp_path)
+    scalars = tb_scalars(tmp_path)
     assert min(scalars["time/recompute_s"]) > 0
     assert scalars["noise/train_forward_abs_delta_max"] == [0.0, 0.0]
 
@@ -178,9 +178,9 @@ def test_one_minibatch_update_needs_no_recompute(tiny_run_inputs, tmp_path):
     forward pass a step); the update's only forward, at θ = θ_old, gives π_old itself, so the PPO
     ratio is exactly 1 and TIS weighs it against the rollout's logprobs, as plain GRPO does.
     1 torchrun process + SGLang's 2."""
-    _train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip_high=0.2",
+    run_train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip_high=0.2",
            "train.mini_batches=1", "train.eval_every=0", "algorithm.dynamic_sampling=false")
-    scalars = _scalars(tmp_path)
+    scalars = tb_scalars(tmp_path)
     assert max(scalars["time/recompute_s"]) < 0.01
     assert scalars["noise/source_first_forward"] == [1.0, 1.0]
     for tag in ("train/ratio_min", "train/ratio_max"):
