@@ -10,8 +10,8 @@ Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
   is the exporter's block layout with 1x128 weight groups (fused shards quantize as their parts)
   and SGLang's fp8rl method quantizes activations as the trainer does: nothing to share or freeze.
 - aligned with a shared-scale recipe (config.SHARED_SCALE_RECIPES): the trainer's own per-tensor
-  FP8 quantization. Each Megatron FP8 linear has one weight and one input scale (shared by its fused q/k/v or gate/up shards and, through the amax reduction, by its
-  TP shards); the served checkpoint holds exactly those as `weight_scale` / `input_scale` of every
+  FP8 quantization. Each Megatron FP8 linear has one weight and one input scale (shared by its
+  fused q/k/v or gate/up shards and, through the amax reduction, by its TP shards); the served checkpoint holds exactly those as `weight_scale` / `input_scale` of every
   HF shard, and the trainer recomputes old logprobs with the same multipliers frozen
   (`compat.megatron_fp8_linear.frozen_fp8_scales`). At start, before the trainer has recorded any
   activation bound, the scales come from the calibrated recipe's rules applied to the HF weights
@@ -92,7 +92,8 @@ def _megatron_linear(module: str) -> tuple[int, str]:
 
 
 def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, activation_scheme: str,
-                               trainer_fp8: str, calibration_prompts: list[str], recipe: Fp8Recipe | None = None) -> Path:
+                               trainer_fp8: str, calibration_prompts: list[str],
+                               recipe: Fp8Recipe | None = None) -> Path:
     """The checkpoint the rollout engine starts from: `hf_path` itself for rollout.fp8=none,
     else an FP8 export of it at `output` (static input bounds calibrated on the prompts; aligned:
     with the margin of `recipe`, the trainer's, by default the `trainer_fp8` recipe's defaults)."""
