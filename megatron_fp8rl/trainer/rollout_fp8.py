@@ -11,8 +11,9 @@ Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
   and SGLang's fp8rl method quantizes activations as the trainer does: nothing to share or freeze.
 - aligned with a shared-scale recipe (config.SHARED_SCALE_RECIPES): the trainer's own per-tensor
   FP8 quantization. Each Megatron FP8 linear has one weight and one input scale (shared by its
-  fused q/k/v or gate/up shards and, through the amax reduction, by its TP shards); the served checkpoint holds exactly those as `weight_scale` / `input_scale` of every
-  HF shard, and the trainer recomputes old logprobs with the same multipliers frozen
+  fused q/k/v or gate/up shards and, through the amax reduction, by its TP shards); the served
+  checkpoint holds exactly those as `weight_scale` / `input_scale` of every HF shard, and the
+  trainer recomputes old logprobs with the same multipliers frozen
   (`compat.megatron_fp8_linear.frozen_fp8_scales`). At start, before the trainer has recorded any
   activation bound, the scales come from the calibrated recipe's rules applied to the HF weights
   and to activations calibrated on prompts; the trainer reads them back from the served checkpoint.
