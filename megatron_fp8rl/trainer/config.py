@@ -36,6 +36,17 @@ ROW_GROUP_RECIPES = ("groupwise",)
 """Trainer recipes aligned rollouts serve by recomputing them: stateless 1x128 groups of a row,
 the same on both sides from the same weights and tokens, nothing to share."""
 ALIGNED_RECIPES = SHARED_SCALE_RECIPES + ROW_GROUP_RECIPES
+
+
+def check_rollout_fp8(rollout_fp8: str, trainer_fp8: str) -> None:
+    """rollout.fp8=aligned needs a trainer recipe the rollout can serve (ALIGNED_RECIPES);
+    ValueError naming model.fp8 otherwise (RunConfig's check, and rollout_fp8.py's callers')."""
+    blockwise = (" (blockwise's 128x128 weight blocks cut across the q/k/v rows Megatron fuses and "
+                 "interleaves, so SGLang's per-tensor blocks differ; groupwise's 1x128 groups do not)"
+                 if trainer_fp8 == "blockwise" else "")
+    _check(rollout_fp8 != "aligned" or trainer_fp8 in ALIGNED_RECIPES, "model.fp8",
+           f"rollout.fp8=aligned serves the trainer's own FP8 quantization: model.fp8 must be one of "
+           f"{ALIGNED_RECIPES}, found {trainer_fp8!r}{blockwise}")
 CLIP_CALIBRATIONS = ("none", "shadow")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -443,12 +454,7 @@ class RunConfig:
                "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "
                f"without FP8 rollouts (rollout.fp8={self.rollout.fp8!r}) SGLang must serve the trainer's "
                "dtype, or every logprob carries the dtype gap; set them equal")
-        _check(self.rollout.fp8 != "aligned" or self.model.fp8 in ALIGNED_RECIPES, "model.fp8",
-               f"rollout.fp8=aligned serves the trainer's own FP8 quantization: model.fp8 must be one of "
-               f"{ALIGNED_RECIPES}, found {self.model.fp8!r}"
-               + (" (blockwise's 128x128 weight blocks cut across the q/k/v rows Megatron fuses and "
-                  "interleaves, so SGLang's per-tensor blocks differ; groupwise's 1x128 groups do not)"
-                  if self.model.fp8 == "blockwise" else ""))
+        check_rollout_fp8(self.rollout.fp8, self.model.fp8)
         _check(not (self.rollout.fp8 == "aligned" and self.model.fp8_backend == "te"), "model.fp8_backend",
                "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
                "arithmetic; use model.fp8_backend=ours")

@@ -40,7 +40,7 @@ from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.quantize import finite_amax, quantize_with_scale_inv
 from megatron_fp8rl.fp8.recipe import Fp8Recipe, recipe_by_name
-from megatron_fp8rl.trainer.config import ALIGNED_RECIPES, ROW_GROUP_RECIPES, SHARED_SCALE_RECIPES
+from megatron_fp8rl.trainer.config import ROW_GROUP_RECIPES, SHARED_SCALE_RECIPES, check_rollout_fp8
 
 ROLLOUT_CHECKPOINT = "rollout_fp8"
 """Folder (under the run directory) of the FP8 checkpoint the rollout engine starts from."""
@@ -52,14 +52,6 @@ HF_MODULES = {
 }
 """Megatron linear path -> the HF linears it is fused from (convert/tables.py layouts)."""
 Scales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-
-def check_rollout_fp8(rollout_fp8: str, trainer_fp8: str) -> None:
-    """aligned needs a trainer recipe the rollout can serve (config.ALIGNED_RECIPES); ValueError
-    naming the keys."""
-    if rollout_fp8 == "aligned" and trainer_fp8 not in ALIGNED_RECIPES:
-        raise ValueError(f"rollout.fp8=aligned serves the trainer's FP8 quantization: model.fp8 must be one of "
-                         f"{ALIGNED_RECIPES}, found {trainer_fp8!r}")
 
 
 def shares_scales(rollout_fp8: str, trainer_fp8: str) -> bool:
