@@ -15,7 +15,8 @@ The baseline is the same model in float32, measured in the same run: greedy accu
 problems (with the problems gained/lost and McNemar's p), and mean |Δlogp| over the response
 tokens of float32's own greedy answers (teacher-forced).
 
-    python bench/fp8_accuracy.py [--model .cache/smollm2] [--problems 300] [--ops mul,mul2]
+    python bench/fp8_accuracy.py [--model .cache/smollm2] [--problems 300] [--ops mul,mul2] [--seed 1234]
+(--seed picks the problems; the trainer's own eval set is `--seed <train.seed>`.)
 """
 from __future__ import annotations
 
@@ -137,14 +138,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--logprob-problems", type=int, default=64)
     parser.add_argument("--granularities", default=",".join(GRANULARITIES))
+    parser.add_argument("--seed", type=int, default=1234,
+                        help="the problems' seed (the trainer's eval uses train.seed)")
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     ops = tuple(args.ops.split(","))
     chat = lambda r: tokenizer.apply_chat_template(list(r.messages), add_generation_prompt=True, tokenize=False)  # noqa: E731
-    records = arithmetic_records("eval", args.problems, ops=ops, seed=1234)
+    records = arithmetic_records("eval", args.problems, ops=ops, seed=args.seed)
     texts = [chat(r) for r in records]
-    calibration = [chat(r) for r in arithmetic_records("train", 16, ops=ops, seed=1234)]
+    calibration = [chat(r) for r in arithmetic_records("train", 16, ops=ops, seed=args.seed)]
     reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     base = greedy(reference, tokenizer, texts, args.max_new_tokens)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
