@@ -47,7 +47,8 @@ class CheckpointConfig:
     """Where and how often checkpoints are written."""
 
     dir: str = ""
-    """Checkpoint root; empty disables checkpointing."""
+    """Checkpoint root; empty means <run_dir>/checkpoints (the trainer fills it in at start).
+    Checkpointing cannot be turned off: a run always saves after its last step."""
     every: int = 10
     """Save every N RL steps, and always after the last step (0: only after the last step)."""
     keep_last: int = 2
