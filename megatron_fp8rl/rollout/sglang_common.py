@@ -2,8 +2,9 @@
 translation of our sampling parameters into SGLang's, and of SGLang's outputs into `RolloutSample`s.
 
 Owns: `SGLangConfig`, `MEMORY_TAGS`, `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`, and
-the rollout FP8 modes (`ROLLOUT_FP8`, `FP8_BACKENDS`, `check_fp8_checkpoint`): which FP8 checkpoint
-layout each mode serves and which SGLang quantization method serves it.
+the rollout FP8 modes (`ROLLOUT_FP8`, `ACTIVATION_SCHEMES`, `FP8_BACKENDS`, `check_aligned_backend`,
+`check_fp8_checkpoint`): which FP8 checkpoint layout each mode serves and which SGLang quantization
+method serves it. trainer/config.py takes these names from here (one set of enums).
 Must not import: models, convert, data, trainer, cli; and not sglang itself (the server client
 never imports it).
 """
@@ -30,6 +31,9 @@ ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
 groups; per_tensor: per-tensor weights, activations per `activation_scheme`; aligned: the trainer's
 own FP8 quantization (a per-tensor static checkpoint whose weight syncs carry the trainer's
 scales, or, for the groupwise trainer recipe, a 1x128 block checkpoint with dynamic groups)."""
+ACTIVATION_SCHEMES = ("dynamic", "static")
+"""How per_tensor rollouts scale activations: dynamic (per token) or static (the checkpoint's
+input_scale)."""
 FP8_BACKENDS = ("ours", "sglang")
 """ours: megatron_fp8rl's method (our fp8/ arithmetic, runs on CPU; the only one that makes
 aligned rollouts bit-identical to the trainer); sglang: SGLang's native `fp8` kernels (GPU, or
@@ -84,13 +88,11 @@ class SGLangConfig:
                              "on the CPU release_memory runs SGLang's protocol without it")
         if self.fp8 not in ROLLOUT_FP8:
             raise ValueError(f"SGLangConfig.fp8: {self.fp8!r} is not one of {ROLLOUT_FP8}")
-        if self.activation_scheme not in ("dynamic", "static"):
-            raise ValueError(f"SGLangConfig.activation_scheme: {self.activation_scheme!r} is not dynamic or static")
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"SGLangConfig.activation_scheme: {self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
         if self.fp8_backend not in FP8_BACKENDS:
             raise ValueError(f"SGLangConfig.fp8_backend: {self.fp8_backend!r} is not one of {FP8_BACKENDS}")
-        if self.fp8 == "aligned" and self.fp8_backend != "ours":
-            raise ValueError("SGLangConfig: fp8=aligned needs fp8_backend='ours' (SGLang's native "
-                             "kernels do not compute the trainer's FP8 arithmetic)")
+        check_aligned_backend(self.fp8, self.fp8_backend)
 
     def fp8_layouts(self) -> tuple[tuple[str, str], ...]:
         """The (scheme 'block'|'tensor', activation scheme) layouts the served checkpoint may
@@ -106,6 +108,14 @@ class SGLangConfig:
 
     def resolved_device(self) -> str:
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_aligned_backend(fp8: str, fp8_backend: str) -> None:
+    """fp8=aligned is served by our method only; ValueError otherwise (SGLangConfig's check and
+    RunConfig's rollout.fp8_backend check)."""
+    if fp8 == "aligned" and fp8_backend != "ours":
+        raise ValueError(f"fp8=aligned needs fp8_backend='ours', found {fp8_backend!r} (SGLang's native "
+                         "kernels do not compute the trainer's FP8 arithmetic)")
 
 
 def check_model_dir(model_path: str) -> Path:

@@ -17,18 +17,16 @@ from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
+from megatron_fp8rl.rollout.sglang_common import ACTIVATION_SCHEMES, FP8_BACKENDS, ROLLOUT_FP8, check_aligned_backend
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
 
 ALGORITHMS = ("grpo", "dapo", "gspo")
 ADVANTAGES = ("grpo", "grpo_no_std", "rloo")
 CORRECTIONS = ("none", "tis", "mis")
 OLD_POLICIES = ("decoupled", "bypass")
-ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
 ROLLOUT_MODES = ("colocated", "disaggregated")
 WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
-ACTIVATION_SCHEMES = ("dynamic", "static")
-FP8_BACKENDS = ("ours", "sglang")
-TRAINER_FP8 = ("none", "calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise", "groupwise")
+TRAINER_FP8 = ("none", *RECIPE_NAMES)
 SHARED_SCALE_RECIPES = ("calibrated", "te_delayed", "megatron_delayed")
 """Trainer recipes aligned rollouts serve by sharing their per-tensor weight and input scales
 (served at each sync, frozen by the trainer's recompute and first forward; rollout_fp8.py)."""
@@ -183,9 +181,10 @@ class RolloutConfig:
                f"{self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
         _check(self.fp8_backend in FP8_BACKENDS, "rollout.fp8_backend",
                f"{self.fp8_backend!r} is not one of {FP8_BACKENDS}")
-        _check(not (self.fp8 == "aligned" and self.fp8_backend != "ours"), "rollout.fp8_backend",
-               "rollout.fp8=aligned needs fp8_backend=ours (SGLang's native kernels do not compute "
-               "the trainer's FP8 arithmetic)")
+        try:
+            check_aligned_backend(self.fp8, self.fp8_backend)
+        except ValueError as error:
+            raise ValueError(f"rollout.fp8_backend: {error}") from None
         _check(self.mode in ROLLOUT_MODES, "rollout.mode", f"{self.mode!r} is not one of {ROLLOUT_MODES}")
         _check(self.weight_transfer in WEIGHT_TRANSFERS, "rollout.weight_transfer",
                f"{self.weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")

@@ -49,6 +49,18 @@ def test_bad_values_name_the_key(override, message):
         load_config(RunConfig, None, ["model.hf_path=/x", override])
 
 
+def test_aligned_needs_our_backend_in_run_and_engine_config():
+    """One rule (sglang_common.check_aligned_backend) for RunConfig and SGLangConfig."""
+    from megatron_fp8rl.rollout.sglang_common import SGLangConfig
+
+    with pytest.raises(ConfigError, match=r"rollout.fp8_backend: fp8=aligned needs fp8_backend='ours', found 'sglang'"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8=calibrated", "rollout.fp8=aligned",
+                                      "rollout.fp8_backend=sglang"])
+    with pytest.raises(ValueError, match="fp8=aligned needs fp8_backend='ours', found 'sglang'"):
+        SGLangConfig(model_path="/x", fp8="aligned", fp8_backend="sglang", device="cpu")
+    load_config(RunConfig, None, ["model.hf_path=/x", "rollout.fp8=per_tensor", "rollout.fp8_backend=sglang"])
+
+
 def test_hf_path_required():
     with pytest.raises(ConfigError, match="model.hf_path: is required"):
         load_config(RunConfig, None, [])
