@@ -8,12 +8,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_fp8rl"
 # cli.py, launch.py and report/ are one unit: the entry-point layer.
+# models/ sits below convert/, rollout/ and data/: its family files (models/<family>.py) are the one
+# home of each model family's names, and conversion, FP8 export and the SGLang plugin derive from them.
 LAYERS = {
     "fp8": 0, "rl": 0,
     "config": 1, "compat": 1,
-    "models": 2, "convert": 2, "rollout": 2, "data": 2,
-    "trainer": 3,
-    "cli": 4, "launch": 4, "report": 4,
+    "models": 2,
+    "convert": 3, "rollout": 3, "data": 3,
+    "trainer": 4,
+    "cli": 5, "launch": 5, "report": 5,
 }
 UNIT = {"launch": "cli", "report": "cli"}
 
@@ -82,6 +85,12 @@ def third_party_violations(source: str, allowed: set[str] = frozenset()) -> list
     return bad
 
 
+PURE_FAMILY_MODULES = ("models/family.py", "models/llama.py", "models/qwen2.py", "models/qwen3.py",
+                       "models/registry.py")
+"""The model families' facts, which the SGLang plugin loads in SGLang's processes: standard
+library and each other only (no torch, no megatron)."""
+
+
 def _modules():
     return sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
@@ -104,6 +113,28 @@ def test_layer0_imports_only_torch_and_stdlib(path: Path):
     assert third_party_violations(path.read_text(), allowed) == []
 
 
+def impure_family_imports(source: str) -> list[str]:
+    """Imports of a family module other than the standard library and PURE_FAMILY_MODULES."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "megatron_fp8rl.models":
+            names = [f"megatron_fp8rl.models.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        bad += [f"line {node.lineno}: imports {n}" for n in names
+                if n.split(".")[0] not in sys.stdlib_module_names
+                and n.removeprefix("megatron_fp8rl.").replace(".", "/") + ".py" not in PURE_FAMILY_MODULES]
+    return bad
+
+
+@pytest.mark.parametrize("relative", PURE_FAMILY_MODULES)
+def test_family_modules_import_only_the_standard_library(relative: str):
+    assert impure_family_imports((PACKAGE / relative).read_text()) == []
+
+
 def test_checker_flags_upward_and_sideways_imports():
     assert violations("fp8", "from megatron_fp8rl.compat import megatron_cpu") != []
     assert violations("models", "def f():\n    import megatron_fp8rl.convert.hf") != []
@@ -114,3 +145,7 @@ def test_checker_flags_upward_and_sideways_imports():
     assert third_party_violations("import torch, numpy as np\nimport math") == []
     assert third_party_violations("import triton") != []
     assert third_party_violations("import triton", L0_EXTRA["fp8/triton_gemm.py"]) == []
+    assert impure_family_imports("from megatron_fp8rl.models import llama, family\nimport re") == []
+    assert impure_family_imports("from megatron_fp8rl.models import hf") != []
+    assert impure_family_imports("def f():\n    import torch") != []
+    assert impure_family_imports("from megatron_fp8rl.compat.versions import check_signature") != []

@@ -4,7 +4,7 @@ Owns: `calibrate_input_bounds` (max |input| of every decoder linear over the pro
 `load_bounds` (a JSON file of per-module bounds, e.g. written from the calibrated recipe:
 {module: {"weight": c, "input": c}}). The export turns an input bound c into
 `input_scale = c / 448`.
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 

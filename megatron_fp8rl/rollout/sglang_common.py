@@ -4,7 +4,7 @@ translation of our sampling parameters into SGLang's, and of SGLang's outputs in
 Owns: `SGLangConfig`, `MEMORY_TAGS`, `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`, and
 the rollout FP8 modes (`ROLLOUT_FP8`, `FP8_BACKENDS`, `check_fp8_checkpoint`): which FP8 checkpoint
 layout each mode serves and which SGLang quantization method serves it.
-Must not import: models, convert, data, trainer, cli; and not sglang itself (the server client
+Must not import: convert, data, trainer, cli; and not sglang itself (the server client
 never imports it).
 """
 from __future__ import annotations
