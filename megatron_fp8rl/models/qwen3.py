@@ -1,12 +1,14 @@
 """The Qwen3 (dense) family: the Llama layout plus a per-head RMSNorm on queries and keys.
 
-Owns: the Qwen3 `ModelFamily`. Must not import: convert, rollout, data, trainer, cli.
+Owns: the Qwen3 `ModelFamily`. Must not import: anything but the standard library and the
+family files (models/family.py, llama.py).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from megatron_fp8rl.models.family import ModelFamily, reject
+from megatron_fp8rl.models import llama
+from megatron_fp8rl.models.family import HF_LAYER, ModelFamily, Rule, reject
 
 
 def _check(hf_config: Mapping[str, Any]) -> None:
@@ -21,4 +23,9 @@ FAMILY = ModelFamily(
     qkv_bias=lambda hf_config: False,
     qk_layernorm=True,
     check=_check,
+    linears=llama.LINEARS,
+    tensors=llama.TENSORS + (
+        Rule("decoder.layers.self_attention.q_layernorm.weight", (HF_LAYER + "self_attn.q_norm.weight",)),
+        Rule("decoder.layers.self_attention.k_layernorm.weight", (HF_LAYER + "self_attn.k_norm.weight",)),
+    ),
 )
