@@ -8,7 +8,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_fp8rl"
 # cli.py, launch.py and report/ are one unit: the entry-point layer.
-# models/ sits below convert/, rollout/ and data/: its family files (models/<family>.py) are the one
+# models/ sits below convert/, rollout/ and data/: its family files (models/families/<family>.py) are the one
 # home of each model family's names, and conversion, FP8 export and the SGLang plugin derive from them.
 LAYERS = {
     "fp8": 0, "rl": 0,
@@ -85,10 +85,16 @@ def third_party_violations(source: str, allowed: set[str] = frozenset()) -> list
     return bad
 
 
-PURE_FAMILY_MODULES = ("models/family.py", "models/llama.py", "models/qwen2.py", "models/qwen3.py",
-                       "models/registry.py")
+PURE_FAMILY_MODULES = ("models/__init__.py", "models/family.py", "models/registry.py") + tuple(
+    str(p.relative_to(PACKAGE)) for p in sorted((PACKAGE / "models" / "families").glob("*.py")))
 """The model families' facts, which the SGLang plugin loads in SGLang's processes: standard
 library and each other only (no torch, no megatron)."""
+
+
+def _module_file(module: str) -> str:
+    """megatron_fp8rl.models.family -> models/family.py (a package: its __init__.py)."""
+    path = module.removeprefix("megatron_fp8rl.").replace(".", "/")
+    return f"{path}/__init__.py" if (PACKAGE / path).is_dir() else f"{path}.py"
 
 
 def _modules():
@@ -120,13 +126,12 @@ def impure_family_imports(source: str) -> list[str]:
         names = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module == "megatron_fp8rl.models":
-            names = [f"megatron_fp8rl.models.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module]
+            if (PACKAGE / node.module.removeprefix("megatron_fp8rl.").replace(".", "/")).is_dir():
+                names = [f"{node.module}.{alias.name}" for alias in node.names]  # from a package
         bad += [f"line {node.lineno}: imports {n}" for n in names
-                if n.split(".")[0] not in sys.stdlib_module_names
-                and n.removeprefix("megatron_fp8rl.").replace(".", "/") + ".py" not in PURE_FAMILY_MODULES]
+                if n.split(".")[0] not in sys.stdlib_module_names and _module_file(n) not in PURE_FAMILY_MODULES]
     return bad
 
 
@@ -145,7 +150,8 @@ def test_checker_flags_upward_and_sideways_imports():
     assert third_party_violations("import torch, numpy as np\nimport math") == []
     assert third_party_violations("import triton") != []
     assert third_party_violations("import triton", L0_EXTRA["fp8/triton_gemm.py"]) == []
-    assert impure_family_imports("from megatron_fp8rl.models import llama, family\nimport re") == []
+    assert impure_family_imports("from megatron_fp8rl.models.families import llama\nimport re") == []
+    assert impure_family_imports("from megatron_fp8rl.models import family, families") == []
     assert impure_family_imports("from megatron_fp8rl.models import hf") != []
     assert impure_family_imports("def f():\n    import torch") != []
     assert impure_family_imports("from megatron_fp8rl.compat.versions import check_signature") != []

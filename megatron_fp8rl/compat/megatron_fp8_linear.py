@@ -195,7 +195,7 @@ def fp8_decoder_linears(model: torch.nn.Module) -> list[tuple[int, str, torch.nn
     """(global 0-based layer number, path inside the TransformerLayer, module) of every FP8 linear
     of this rank's pipeline stage (the layer number counts from the first stage, as HF names do).
     The paths are the layers' own ("self_attention.linear_qkv", ...): which HF linears each one
-    stands for is the model family's fact (models/<family>.py `DecoderLinear.megatron`)."""
+    stands for is the model family's fact (models/families/<family>.py `DecoderLinear.megatron`)."""
     return [(layer.layer_number - 1, path, module)
             for layer in _decoder(model).layers
             for path, module in layer.named_modules() if isinstance(module, _Fp8LinearMixin)]

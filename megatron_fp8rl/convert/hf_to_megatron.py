@@ -191,7 +191,7 @@ def plan_hf_to_megatron(
             continue
         if item.key not in rules:
             raise CheckpointError(f"Megatron tensor {item.key} has no HF counterpart in the "
-                                  f"{family.name} table (models/{family.name}.py)")
+                                  f"{family.name} table (models/families/{family.name}.py)")
         task = _plan_tensor(item, rules[item.key], attention, checkpoint, dtype, checked)
         tasks[(task.key, task.offsets)] = task
     return ConversionPlan(tasks, objects, common)
@@ -206,7 +206,7 @@ def _check_unexpected(hf_config, family: ModelFamily, checkpoint: HFCheckpoint) 
     if unexpected:
         shown = ", ".join(f"{n} {checkpoint.entries[n].shape}" for n in unexpected[:8])
         raise CheckpointError(f"{len(unexpected)} unexpected HF tensors (no Megatron counterpart in "
-                              f"the {family.name} table, models/{family.name}.py): {shown}")
+                              f"the {family.name} table, models/families/{family.name}.py): {shown}")
 
 
 class _LazySavePlanner(DefaultSavePlanner):

@@ -82,7 +82,7 @@ def plan_megatron_to_hf(hf: Mapping[str, Any], tensors: Mapping[str, TensorStora
     unexpected = sorted(set(tensors) - set(rules))
     if unexpected:
         raise CheckpointError(f"unexpected Megatron tensors (not in the {family.name} table, "
-                              f"models/{family.name}.py): {', '.join(unexpected)}")
+                              f"models/families/{family.name}.py): {', '.join(unexpected)}")
     attention, num_layers = AttentionShape.from_hf(hf), int(hf["num_hidden_layers"])
     units = []
     for rule in rules.values():

@@ -1,7 +1,7 @@
 """How a Megatron tensor's rows are cut from its HF tensors: the layouts of the family tables.
 
 Owns: `AttentionShape` (the head counts the qkv layout needs) and `row_pieces` / `hf_row_counts`.
-The name/layout tables themselves are the model families' (models/<family>.py: `Rule`,
+The name/layout tables themselves are the model families' (models/families/<family>.py: `Rule`,
 `ModelFamily.rules`). Megatron keys are the *checkpoint* keys of Megatron-Core 0.16.1's
 torch_dist format: decoder layers are stacked (key without the layer number; layer = offset on
 axis 0), and the local spec's separate norms are stored under TE's fused names, so one table

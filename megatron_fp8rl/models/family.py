@@ -2,8 +2,9 @@
 
 Owns: `ModelFamily` (HF config mapping, the checkpoint name/layout table, the decoder linears and
 how Megatron and SGLang fuse them), `Rule`, `DecoderLinear`, `UnsupportedModelError` and the
-`reject` helper the family files share. Each family lives in its own file (llama.py, qwen2.py,
-qwen3.py) and contributes one `ModelFamily`; registry.py finds them. Every consumer derives from
+`reject` helper the family files share. Each family lives in its own file under families/
+(llama.py, qwen2.py, qwen3.py) and defines one `ModelFamily`; registry.py finds them. Every
+consumer derives from
 the family: models/hf.py (the Megatron config), convert/ (conversion, FP8 export), trainer/
 rollout_fp8.py (the weight sync) and rollout/sglang_fp8.py (the SGLang plugin, which loads this in
 SGLang's own processes: so this file and the family files import only the standard library).
@@ -113,7 +114,7 @@ class ModelFamily:
         template = HF_LAYER + match.group(2) if match else hf_tensor
         if not any(template in rule.hf for rule in self.rules) and not hf_tensor.endswith(self.derived_hf_suffixes):
             raise UnsupportedModelError(f"{self.name}: HF tensor {hf_tensor} is not in the family's name "
-                                        f"table (models/{self.name}.py)")
+                                        f"table (models/families/{self.name}.py)")
         module = match.group(2).removesuffix(".weight") if match else None
         return next(((int(match.group(1)), linear) for linear in self.linears
                      if module in linear.hf and template.endswith(".weight")), None)
@@ -126,7 +127,7 @@ class ModelFamily:
             if match.group(2) in linear.hf:
                 return int(match.group(1)), linear
         raise UnsupportedModelError(f"{self.name}: {hf_module} is not a decoder linear of the family "
-                                    f"(models/{self.name}.py: {self._linear_names('hf')})")
+                                    f"(models/families/{self.name}.py: {self._linear_names('hf')})")
 
     def sglang_linear(self, prefix: str) -> tuple[int, DecoderLinear]:
         """'model.layers.3.self_attn.qkv_proj' (an SGLang module) -> (3, its linear); raises
@@ -136,7 +137,7 @@ class ModelFamily:
             if match.group(2) == linear.sglang:
                 return int(match.group(1)), linear
         raise UnsupportedModelError(f"{self.name}: SGLang linear {prefix} is not a decoder linear of "
-                                    f"the family (models/{self.name}.py: {self._linear_names('sglang')})")
+                                    f"the family (models/families/{self.name}.py: {self._linear_names('sglang')})")
 
     def _linear_names(self, side: str) -> str:
         names = [m for linear in self.linears for m in (linear.hf if side == "hf" else (linear.sglang,))]

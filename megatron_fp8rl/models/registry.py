@@ -1,6 +1,6 @@
 """The one registry of model families: an HF config (or an HF tensor name) -> its `ModelFamily`.
 
-Owns: `FAMILIES`, `family_for` (the one lookup: `architectures`, else `model_type`),
+Owns: `FAMILIES` (the `FAMILY` of every models/families/*.py), `family_for` (the one lookup: `architectures`, else `model_type`),
 `supported_architectures` and `weight_linear` (for callers that hold HF names but no config).
 Every consumer (models/hf.py, convert/, the weight sync, the SGLang plugin) looks families up
 here. Pure data like the family files: it imports only the standard library and them.
@@ -8,12 +8,29 @@ Must not import: torch, megatron, compat, convert, rollout, data, trainer, cli.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any, Mapping
 
-from megatron_fp8rl.models import llama, qwen2, qwen3
+from megatron_fp8rl.models import families
 from megatron_fp8rl.models.family import DecoderLinear, ModelFamily, UnsupportedModelError
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+
+def _discover() -> dict[str, ModelFamily]:
+    """name -> the `FAMILY` of every module in models/families/, in file-name order."""
+    found: dict[str, ModelFamily] = {}
+    for info in sorted(pkgutil.iter_modules(families.__path__), key=lambda info: info.name):
+        module = importlib.import_module(f"{families.__name__}.{info.name}")
+        family = getattr(module, "FAMILY", None)
+        if not isinstance(family, ModelFamily):
+            raise TypeError(f"{module.__name__}: a family file must define FAMILY = ModelFamily(...)")
+        if family.name in found:
+            raise ValueError(f"{module.__name__}: family name {family.name!r} is taken")
+        found[family.name] = family
+    return found
+
+
+FAMILIES: dict[str, ModelFamily] = _discover()
 
 
 def supported_architectures() -> list[str]:
@@ -48,7 +65,7 @@ def weight_linear(hf_tensor: str) -> tuple[int, DecoderLinear] | None:
             continue
     if not answers:
         raise UnsupportedModelError(f"HF tensor {hf_tensor} is in no model family's name table "
-                                    f"({', '.join(FAMILIES)}; models/<family>.py)")
+                                    f"({', '.join(FAMILIES)}; models/families/<family>.py)")
     if len({repr(answer) for answer in answers.values()}) > 1:
         raise UnsupportedModelError(f"HF tensor {hf_tensor}: model families disagree about it ({answers})")
     return next(iter(answers.values()))

@@ -5,7 +5,7 @@ Owns: `Fp8RLConfig` (SGLang `QuantizationConfig`, method name `OUR_FP8_METHOD`),
 `load_plugins()` runs in its main process, scheduler and detokenizer; it also pins SGLang's
 torch_native attention calls to one thread (compat/aligned_threads.py), as the trainer runs them.
 Which layers are decoder linears, how SGLang fuses them and the shard ids its loaders pass are the
-model family's (models/<family>.py, looked up from the `hf_config` SGLang hands `from_config`): a
+model family's (models/families/<family>.py, looked up from the `hf_config` SGLang hands `from_config`): a
 model whose family is unknown, or a linear layer its family does not list, is refused by name.
 Must not import: convert, data, trainer, cli; of models only the pure-data family modules
 (models.family, models.registry). Imports sglang: load it only where SGLang runs.

@@ -18,7 +18,7 @@ Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
   activation bound, the scales come from the calibrated recipe's rules applied to the HF weights
   and to activations calibrated on prompts; the trainer reads them back from the served checkpoint.
 Scales are keyed by (global layer number, Megatron linear path: the model family's
-`DecoderLinear.megatron`, models/<family>.py), values are fp32 dequant
+`DecoderLinear.megatron`, models/families/<family>.py), values are fp32 dequant
 multipliers (weight_scale_inv, input_scale_inv).
 Must not import: cli, trainer.loop, trainer.rl_step.
 """

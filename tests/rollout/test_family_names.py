@@ -1,7 +1,7 @@
 """A model family whose names miss its table fails loudly in every consumer of the family facts.
 
 The checkpoint: a tiny Llama whose attention and MLP are stored fused, as Phi-3 stores them
-(`self_attn.qkv_proj`, `mlp.gate_up_proj`), under the Llama architecture: names models/llama.py
+(`self_attn.qkv_proj`, `mlp.gate_up_proj`), under the Llama architecture: names models/families/llama.py
 does not list. Conversion, FP8 export and the weight sync each refuse it naming the family (or,
 for the sync, which holds names but no config, every registered family) and the tensor; the SGLang
 plugin refuses a linear layer the family does not list, and an architecture no family claims.
@@ -44,11 +44,11 @@ def test_names_missing_from_the_family_table_are_refused_everywhere(tmp_path, me
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((hf_dir / "config.json").read_text())
 
-    with pytest.raises(CheckpointError, match=rf"in the llama table, models/llama.py\): .*{FUSED_QKV}"):
+    with pytest.raises(CheckpointError, match=rf"in the llama table, models/families/llama.py\): .*{FUSED_QKV}"):
         convert_hf_to_megatron(hf_dir, tmp_path / "mcore", build_model_from_hf(config, device="meta")
                                .sharded_state_dict(), progress=False)
     with pytest.raises(UnsupportedModelError, match=rf"llama: HF tensor {FUSED} is not in "
-                                                    r"the family's name table \(models/llama\.py\)"):
+                                                    r"the family's name table \(models/families/llama\.py\)"):
         export_fp8(hf_dir, tmp_path / "fp8", Fp8ExportOptions(), progress=False)
     with pytest.raises(UnsupportedModelError, match=rf"HF tensor {FUSED} is in no model "
                                                     r"family's name table \(llama, qwen2, qwen3"):
@@ -59,7 +59,7 @@ def test_names_missing_from_the_family_table_are_refused_everywhere(tmp_path, me
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "hf_config": tiny_hf_config("llama")}
     served = plugin.Fp8RLConfig.from_config(quant)
     with pytest.raises(UnsupportedModelError, match=r"llama: SGLang linear model\.layers\.0\.self_attn\.q_a_proj "
-                                                    r"is not a decoder linear of the family \(models/llama.py"):
+                                                    r"is not a decoder linear of the family \(models/families/llama.py"):
         served.get_quant_method(linear, "model.layers.0.self_attn.q_a_proj")
     assert isinstance(served.get_quant_method(linear, "model.layers.0.self_attn.qkv_proj"), plugin.Fp8RLLinearMethod)
     unknown = tiny_hf_config("llama")

@@ -16,7 +16,7 @@ from megatron_fp8rl.fp8.linear import fp8_linear
 from megatron_fp8rl.fp8.quantize import WEIGHT_BLOCK, quantize_blockwise, quantize_with_scale_inv
 from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers
 from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, groupwise
-from megatron_fp8rl.models.llama import FAMILY as LLAMA
+from megatron_fp8rl.models.families.llama import FAMILY as LLAMA
 from tests.rollout.conftest import needs_sglang
 
 pytestmark = [needs_sglang, pytest.mark.triton]

@@ -1,13 +1,13 @@
 """The Qwen3 (dense) family: the Llama layout plus a per-head RMSNorm on queries and keys.
 
 Owns: the Qwen3 `ModelFamily`. Must not import: anything but the standard library and the
-family files (models/family.py, llama.py).
+family files (models/family.py, families/llama.py).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from megatron_fp8rl.models import llama
+from megatron_fp8rl.models.families import llama
 from megatron_fp8rl.models.family import HF_LAYER, ModelFamily, Rule, reject
 
 
