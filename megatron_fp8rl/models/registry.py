@@ -1,6 +1,6 @@
 """The one registry of model families: an HF config (or an HF tensor name) -> its `ModelFamily`.
 
-Owns: `FAMILIES` (the `FAMILY` of every models/families/*.py), `family_for` (the one lookup: `architectures`, else `model_type`),
+Owns: `FAMILIES` (the `FAMILY` of every models/families/*.py, found by `discover`), `family_for` (the one lookup: `architectures`, else `model_type`),
 `supported_architectures` and `weight_linear` (for callers that hold HF names but no config).
 Every consumer (models/hf.py, convert/, the weight sync, the SGLang plugin) looks families up
 here. Pure data like the family files: it imports only the standard library and them.
@@ -16,11 +16,12 @@ from megatron_fp8rl.models import families
 from megatron_fp8rl.models.family import DecoderLinear, ModelFamily, UnsupportedModelError
 
 
-def _discover() -> dict[str, ModelFamily]:
-    """name -> the `FAMILY` of every module in models/families/, in file-name order."""
+def discover(package) -> dict[str, ModelFamily]:
+    """name -> the `FAMILY` of every module of `package` (models/families), in file-name order;
+    raises naming a module without one, or whose family name another module took."""
     found: dict[str, ModelFamily] = {}
-    for info in sorted(pkgutil.iter_modules(families.__path__), key=lambda info: info.name):
-        module = importlib.import_module(f"{families.__name__}.{info.name}")
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda info: info.name):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
         family = getattr(module, "FAMILY", None)
         if not isinstance(family, ModelFamily):
             raise TypeError(f"{module.__name__}: a family file must define FAMILY = ModelFamily(...)")
@@ -30,7 +31,7 @@ def _discover() -> dict[str, ModelFamily]:
     return found
 
 
-FAMILIES: dict[str, ModelFamily] = _discover()
+FAMILIES: dict[str, ModelFamily] = discover(families)
 
 
 def supported_architectures() -> list[str]:
