@@ -1,8 +1,8 @@
 """FP8 export for SGLang: an HF (BF16/FP32) or Megatron checkpoint -> an FP8 HF checkpoint.
 
-Owns: choosing which weights to quantize (the family's decoder linears, models/families/<family>.py, except
-optionally the first/last N layers; `modules_to_not_convert` lists the rest; a tensor the family's
-table lacks is refused by name), quantizing them with megatron_fp8rl.fp8 (E4M3),
+Owns: choosing which weights to quantize (the decoder linears of models/families/<family>.py,
+except optionally the first/last N layers; `modules_to_not_convert` lists the rest; a tensor the
+family's table lacks is refused by name), quantizing them with megatron_fp8rl.fp8 (E4M3),
 optional static activation scales from a prompt-set calibration or from the calibrated recipe's
 bounds, and writing safetensors plus a config.json whose `quantization_config` SGLang's `fp8`
 method parses:

@@ -112,12 +112,14 @@ class ModelFamily:
         family's other tensors; raises naming the family and the tensor when its table lacks it."""
         match = _HF_LAYER_NAME.match(hf_tensor)
         template = HF_LAYER + match.group(2) if match else hf_tensor
-        if not any(template in rule.hf for rule in self.rules) and not hf_tensor.endswith(self.derived_hf_suffixes):
+        known = any(template in rule.hf for rule in self.rules) or hf_tensor.endswith(self.derived_hf_suffixes)
+        if not known:
             raise UnsupportedModelError(f"{self.name}: HF tensor {hf_tensor} is not in the family's name "
                                         f"table (models/families/{self.name}.py)")
-        module = match.group(2).removesuffix(".weight") if match else None
-        return next(((int(match.group(1)), linear) for linear in self.linears
-                     if module in linear.hf and template.endswith(".weight")), None)
+        if match is None or not hf_tensor.endswith(".weight"):
+            return None
+        module = match.group(2)[: -len(".weight")]
+        return next(((int(match.group(1)), linear) for linear in self.linears if module in linear.hf), None)
 
     def decoder_linear(self, hf_module: str) -> tuple[int, DecoderLinear]:
         """'model.layers.3.self_attn.k_proj' -> (3, the linear it is part of); raises naming the
@@ -136,8 +138,8 @@ class ModelFamily:
         for linear in self.linears if match else ():
             if match.group(2) == linear.sglang:
                 return int(match.group(1)), linear
-        raise UnsupportedModelError(f"{self.name}: SGLang linear {prefix} is not a decoder linear of "
-                                    f"the family (models/families/{self.name}.py: {self._linear_names('sglang')})")
+        raise UnsupportedModelError(f"{self.name}: SGLang linear {prefix} is not a decoder linear of the "
+                                    f"family (models/families/{self.name}.py: {self._linear_names('sglang')})")
 
     def _linear_names(self, side: str) -> str:
         names = [m for linear in self.linears for m in (linear.hf if side == "hf" else (linear.sglang,))]

@@ -1,7 +1,8 @@
 """The one registry of model families: an HF config (or an HF tensor name) -> its `ModelFamily`.
 
-Owns: `FAMILIES` (the `FAMILY` of every models/families/*.py, found by `discover`), `family_for` (the one lookup: `architectures`, else `model_type`),
-`supported_architectures` and `weight_linear` (for callers that hold HF names but no config).
+Owns: `FAMILIES` (the `FAMILY` of every models/families/*.py, found by `discover`), `family_for`
+(the one lookup: `architectures`, else `model_type`), `supported_architectures` and
+`weight_linear` (for callers that hold HF names but no config).
 Every consumer (models/hf.py, convert/, the weight sync, the SGLang plugin) looks families up
 here. Pure data like the family files: it imports only the standard library and them.
 Must not import: torch, megatron, compat, convert, rollout, data, trainer, cli.
@@ -68,5 +69,6 @@ def weight_linear(hf_tensor: str) -> tuple[int, DecoderLinear] | None:
         raise UnsupportedModelError(f"HF tensor {hf_tensor} is in no model family's name table "
                                     f"({', '.join(FAMILIES)}; models/families/<family>.py)")
     if len({repr(answer) for answer in answers.values()}) > 1:
-        raise UnsupportedModelError(f"HF tensor {hf_tensor}: model families disagree about it ({answers})")
+        raise UnsupportedModelError(f"HF tensor {hf_tensor}: model families disagree about it "
+                                    f"({answers})")
     return next(iter(answers.values()))
