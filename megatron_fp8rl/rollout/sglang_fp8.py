@@ -5,8 +5,8 @@ Owns: `Fp8RLConfig` (SGLang `QuantizationConfig`, method name `OUR_FP8_METHOD`),
 `load_plugins()` runs in its main process, scheduler and detokenizer; it also pins SGLang's
 torch_native attention calls to one thread (compat/aligned_threads.py), as the trainer runs them.
 Which layers are decoder linears, how SGLang fuses them and the shard ids its loaders pass are the
-model family's (models/families/<family>.py, looked up from the `hf_config` SGLang hands `from_config`): a
-model whose family is unknown, or a linear layer its family does not list, is refused by name.
+model family's (models/families/<family>.py, looked up from the `hf_config` SGLang hands
+`from_config`): a model whose family is unknown, or a linear its family does not list, is refused.
 Must not import: convert, data, trainer, cli; of models only the pure-data family modules
 (models.family, models.registry). Imports sglang: load it only where SGLang runs.
 
@@ -182,8 +182,8 @@ class Fp8RLLinearMethod(LinearMethodBase):
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra):
         shards = list(output_partition_sizes)
         if len(shards) != len(self.linear.hf):
-            raise ValueError(f"{self.prefix}: SGLang fuses {len(shards)} shards, the {self.config.family.name} "
-                             f"family's {self.linear.megatron} has {len(self.linear.hf)} ({', '.join(self.linear.hf)})")
+            raise ValueError(f"{self.prefix}: SGLang fuses {len(shards)} shards, the {self.config.family.name} family's "
+                             f"{self.linear.megatron} has {len(self.linear.hf)}: {', '.join(self.linear.hf)}")
         weight = ModelWeightParameter(
             data=torch.empty(sum(shards), input_size_per_partition, dtype=E4M3.dtype),
             input_dim=1, output_dim=0, weight_loader=extra.get("weight_loader"))

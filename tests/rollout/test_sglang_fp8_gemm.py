@@ -127,3 +127,15 @@ def test_explicit_triton_gemm_refuses_per_token_activations(plugin):
 def test_unknown_gemm_is_refused_at_config_time(plugin):
     with pytest.raises(ValueError, match="unknown FP8 gemm 'cublas'"):
         plugin.Fp8RLConfig(LLAMA, None, "static", [], gemm="cublas")
+
+
+def test_shards_and_shard_ids_must_be_the_familys(plugin):
+    """SGLang's fused layer must have as many shards as the family's linear has HF parts, and load
+    scales only under the family's shard ids."""
+    config = plugin.Fp8RLConfig(LLAMA, None, "static", [])
+    with pytest.raises(ValueError, match=r"qkv_proj: SGLang fuses 2 shards, the llama family's "
+                                         r"self_attention.linear_qkv has 3: self_attn.q_proj"):
+        _served(plugin, config, {0: torch.zeros(8, 4), 1: torch.zeros(8, 4)}, {})
+    weights = {s: torch.zeros(w, 4, dtype=E4M3.dtype) for s, w in SHARDS.items()}
+    with pytest.raises(ValueError, match=r"qkv_proj: unknown shard 0 of a layer with shards \('q', 'k', 'v'\)"):
+        _served(plugin, config, weights, {0: torch.tensor(1.0)})
