@@ -45,7 +45,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_with_scale_inv,
     scale_from_bound,
 )
-from megatron_fp8rl.models.family import DecoderLinear
+from megatron_fp8rl.models.family import HF_LAYER, LAYER_PREFIX, DecoderLinear
 from megatron_fp8rl.models.registry import family_for
 
 E4M3 = get_format("e4m3")
@@ -151,14 +151,18 @@ def export_tensor(name, tensor, num_layers, options, weight_linear) -> dict[str,
 
 
 def quantization_config(hf: dict, options: Fp8ExportOptions) -> dict:
-    """The `quantization_config` of config.json (SGLang's and transformers' `fp8` method)."""
+    """The `quantization_config` of config.json (SGLang's and transformers' `fp8` method); the
+    modules left in high precision are the family's tensors outside the decoder layers (embeddings,
+    final norm, lm_head) and the linears of the kept layers."""
     num_layers = int(hf["num_hidden_layers"])
     kept = [i for i in range(num_layers)
             if i < options.keep_first_layers or i >= num_layers - options.keep_last_layers]
-    linears = [module for linear in family_for(hf).linears for module in linear.hf]
+    family = family_for(hf)
+    outside = sorted({name.removesuffix(".weight") for rule in family.tensors
+                      if not rule.megatron.startswith(LAYER_PREFIX) for name in rule.hf})
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": options.activation_scheme,
-              "modules_to_not_convert": ["lm_head", "model.embed_tokens"]
-              + [f"model.layers.{i}.{m}" for i in kept for m in linears]}
+              "modules_to_not_convert": outside + [HF_LAYER.format(layer=i) + module for i in kept
+                                                   for linear in family.linears for module in linear.hf]}
     if options.scheme == "block":
         config["weight_block_size"] = list(options.weight_block)
     return config
