@@ -1,7 +1,7 @@
 """Process start-up: torch.distributed from torchrun's environment, Megatron's parallel state, seeds.
 
-Owns: reading torchrun's environment variables and creating process groups (entry-point layer L4,
-beside cli.py; nothing below L4 reads the environment or creates groups).
+Owns: reading torchrun's environment variables and creating process groups (entry-point layer L5,
+beside cli.py; nothing below L5 reads the environment or creates groups).
 Must not import: trainer internals; it only prepares the process for them.
 """
 from __future__ import annotations

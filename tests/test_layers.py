@@ -8,12 +8,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_fp8rl"
 # cli.py, launch.py and report/ are one unit: the entry-point layer.
+# models/ sits below convert/, rollout/ and data/: its family files (models/families/<family>.py) are the one
+# home of each model family's names, and conversion, FP8 export and the SGLang plugin derive from them.
 LAYERS = {
     "fp8": 0, "rl": 0,
     "config": 1, "compat": 1,
-    "models": 2, "convert": 2, "rollout": 2, "data": 2,
-    "trainer": 3,
-    "cli": 4, "launch": 4, "report": 4,
+    "models": 2,
+    "convert": 3, "rollout": 3, "data": 3,
+    "trainer": 4,
+    "cli": 5, "launch": 5, "report": 5,
 }
 UNIT = {"launch": "cli", "report": "cli"}
 
@@ -82,6 +85,18 @@ def third_party_violations(source: str, allowed: set[str] = frozenset()) -> list
     return bad
 
 
+PURE_FAMILY_MODULES = ("models/__init__.py", "models/family.py", "models/registry.py") + tuple(
+    str(p.relative_to(PACKAGE)) for p in sorted((PACKAGE / "models" / "families").glob("*.py")))
+"""The model families' facts, which the SGLang plugin loads in SGLang's processes: standard
+library and each other only (no torch, no megatron)."""
+
+
+def _module_file(module: str) -> str:
+    """megatron_fp8rl.models.family -> models/family.py (a package: its __init__.py)."""
+    path = module.removeprefix("megatron_fp8rl.").replace(".", "/")
+    return f"{path}/__init__.py" if (PACKAGE / path).is_dir() else f"{path}.py"
+
+
 def _modules():
     return sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
@@ -104,6 +119,27 @@ def test_layer0_imports_only_torch_and_stdlib(path: Path):
     assert third_party_violations(path.read_text(), allowed) == []
 
 
+def impure_family_imports(source: str) -> list[str]:
+    """Imports of a family module other than the standard library and PURE_FAMILY_MODULES."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+            if (PACKAGE / node.module.removeprefix("megatron_fp8rl.").replace(".", "/")).is_dir():
+                names = [f"{node.module}.{alias.name}" for alias in node.names]  # from a package
+        bad += [f"line {node.lineno}: imports {n}" for n in names
+                if n.split(".")[0] not in sys.stdlib_module_names and _module_file(n) not in PURE_FAMILY_MODULES]
+    return bad
+
+
+@pytest.mark.parametrize("relative", PURE_FAMILY_MODULES)
+def test_family_modules_import_only_the_standard_library(relative: str):
+    assert impure_family_imports((PACKAGE / relative).read_text()) == []
+
+
 def test_checker_flags_upward_and_sideways_imports():
     assert violations("fp8", "from megatron_fp8rl.compat import megatron_cpu") != []
     assert violations("models", "def f():\n    import megatron_fp8rl.convert.hf") != []
@@ -114,3 +150,8 @@ def test_checker_flags_upward_and_sideways_imports():
     assert third_party_violations("import torch, numpy as np\nimport math") == []
     assert third_party_violations("import triton") != []
     assert third_party_violations("import triton", L0_EXTRA["fp8/triton_gemm.py"]) == []
+    assert impure_family_imports("from megatron_fp8rl.models.families import llama\nimport re") == []
+    assert impure_family_imports("from megatron_fp8rl.models import family, families") == []
+    assert impure_family_imports("from megatron_fp8rl.models import hf") != []
+    assert impure_family_imports("def f():\n    import torch") != []
+    assert impure_family_imports("from megatron_fp8rl.compat.versions import check_signature") != []

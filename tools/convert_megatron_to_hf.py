@@ -13,6 +13,7 @@ import sys
 from megatron_fp8rl.compat import versions
 from megatron_fp8rl.convert.cli_commands import add_megatron_to_hf_arguments, run_megatron_to_hf
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
+from megatron_fp8rl.models.family import UnsupportedModelError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     versions.gate(os.environ)
     try:
         run_megatron_to_hf(args)
-    except (CheckpointError, FileExistsError) as exc:
+    except (CheckpointError, UnsupportedModelError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

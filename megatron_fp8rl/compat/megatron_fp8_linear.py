@@ -185,11 +185,6 @@ def fp8_layer_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
     return stats
 
 
-DECODER_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                   "mlp.linear_fc2")
-"""Paths of the FP8 linears inside one Megatron TransformerLayer (local spec)."""
-
-
 def _decoder(model: torch.nn.Module):
     while not hasattr(model, "decoder") and hasattr(model, "module"):
         model = model.module  # DDP / Float16Module wrappers
@@ -197,15 +192,13 @@ def _decoder(model: torch.nn.Module):
 
 
 def fp8_decoder_linears(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
-    """(global 0-based layer number, path in DECODER_LINEARS, module) of every FP8 linear of this
-    rank's pipeline stage (the layer number counts from the first stage, as HF names do)."""
-    found = []
-    for layer in _decoder(model).layers:
-        for path in DECODER_LINEARS:
-            module = layer.get_submodule(path)
-            if isinstance(module, _Fp8LinearMixin):
-                found.append((layer.layer_number - 1, path, module))
-    return found
+    """(global 0-based layer number, path inside the TransformerLayer, module) of every FP8 linear
+    of this rank's pipeline stage (the layer number counts from the first stage, as HF names do).
+    The paths are the layers' own ("self_attention.linear_qkv", ...): which HF linears each one
+    stands for is the model family's fact (models/families/<family>.py `DecoderLinear.megatron`)."""
+    return [(layer.layer_number - 1, path, module)
+            for layer in _decoder(model).layers
+            for path, module in layer.named_modules() if isinstance(module, _Fp8LinearMixin)]
 
 
 def shared_fp8_scales(model: torch.nn.Module) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:

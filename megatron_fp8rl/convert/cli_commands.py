@@ -3,13 +3,12 @@
 Owns: `add_convert_arguments(subparsers)` (the `convert hf-to-megatron` and
 `convert megatron-to-hf` subcommands), `run_convert(args, build_meta_model)`, and
 `add_export_fp8_arguments(parser)` / `run_export_fp8(args)` (`export-fp8`).
-The HF -> Megatron direction needs the target GPTModel's layout; building models is not this
-layer's business (convert/ and models/ are both L2), so the entry point passes
+The HF -> Megatron direction needs the target GPTModel's layout; the entry point passes
 `build_meta_model(hf_config, tensor_parallel, pipeline_parallel)`: it starts nothing itself and
 returns the GPTModel built on the meta device at TP=1/PP=1, after checking that the checkpoint
 will load at the given TP/PP: megatron_fp8rl.models.hf.build_conversion_target
 (tools/convert_hf_to_megatron.py shows the wiring).
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 

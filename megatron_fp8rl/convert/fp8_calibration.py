@@ -4,7 +4,7 @@ Owns: `calibrate_input_bounds` (max |input| of every decoder linear over the pro
 `load_bounds` (a JSON file of per-module bounds, e.g. written from the calibrated recipe:
 {module: {"weight": c, "input": c}}). The export turns an input bound c into
 `input_scale = c / 448`.
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 
@@ -14,16 +14,19 @@ from pathlib import Path
 import torch
 
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
+from megatron_fp8rl.models.registry import family_for
 
 
 def calibrate_input_bounds(hf_dir: Path, prompts: list[str], max_length: int = 512) -> dict[str, dict[str, float]]:
-    """{module: {'input': max |x|}} for every `*_proj` linear of the decoder layers."""
+    """{module: {'input': max |x|}} for every decoder linear of the model's family (a linear its
+    table lacks raises UnsupportedModelError naming it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not prompts:
         raise CheckpointError("calibration needs at least one prompt")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    family = family_for(model.config.to_dict())
     bounds: dict[str, dict[str, float]] = {}
 
     def hook(name):
@@ -33,7 +36,7 @@ def calibrate_input_bounds(hf_dir: Path, prompts: list[str], max_length: int = 5
         return record
     handles = [module.register_forward_pre_hook(hook(name))
                for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear) and name.startswith("model.layers.")]
+               if isinstance(module, torch.nn.Linear) and family.weight_linear(f"{name}.weight") is not None]
     try:
         with torch.no_grad():
             for prompt in prompts:

@@ -1,7 +1,8 @@
 """FP8 export for SGLang: an HF (BF16/FP32) or Megatron checkpoint -> an FP8 HF checkpoint.
 
-Owns: choosing which linear weights to quantize (`modules_to_not_convert`: embeddings, lm_head,
-norms, and optionally the first/last N layers), quantizing them with megatron_fp8rl.fp8 (E4M3),
+Owns: choosing which weights to quantize (the decoder linears of models/families/<family>.py,
+except optionally the first/last N layers; `modules_to_not_convert` lists the rest; a tensor the
+family's table lacks is refused by name), quantizing them with megatron_fp8rl.fp8 (E4M3),
 optional static activation scales from a prompt-set calibration or from the calibrated recipe's
 bounds, and writing safetensors plus a config.json whose `quantization_config` SGLang's `fp8`
 method parses:
@@ -12,12 +13,11 @@ method parses:
 - tensor: weight E4M3 + `weight_scale` fp32 [] (dequant multiplier) and, when static,
           `input_scale` fp32 [] = bound / 448; {quant_method: fp8, fmt: e4m3, activation_scheme}.
 Tensors stream one at a time (HF source) or one Megatron layer slice at a time.
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -36,7 +36,6 @@ from megatron_fp8rl.convert.megatron_to_hf import (
 )
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint, SafetensorsWriter
-from megatron_fp8rl.convert.tables import table_for
 from megatron_fp8rl.fp8.formats import get_format
 from megatron_fp8rl.fp8.quantize import (
     WEIGHT_BLOCK,
@@ -46,11 +45,15 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_with_scale_inv,
     scale_from_bound,
 )
+from megatron_fp8rl.models.family import HF_LAYER, LAYER_PREFIX, DecoderLinear
+from megatron_fp8rl.models.registry import family_for
 
 E4M3 = get_format("e4m3")
 SCHEMES = ("block", "tensor")
-LINEAR_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight$")
-"""HF names of the decoder linears that get quantized (their module is the name minus .weight)."""
+WeightLinear = Callable[[str], "tuple[int, DecoderLinear] | None"]
+"""HF tensor name -> (layer, decoder linear) of the weights that get quantized, None for other
+tensors, raising for names the family's table lacks (`ModelFamily.weight_linear`, or
+models.registry.weight_linear where no config is at hand)."""
 
 
 @dataclass(frozen=True)
@@ -82,12 +85,14 @@ class Fp8ExportOptions:
             raise ValueError(f"weight_block must be two positive integers, found {self.weight_block!r}")
 
 
-def quantized_module(name: str, num_layers: int, options: Fp8ExportOptions) -> str | None:
-    """The module name of an HF tensor that gets quantized, or None to keep it as is."""
-    match = LINEAR_WEIGHT.match(name)
-    if match is None:
+def quantized_module(name: str, num_layers: int, options: Fp8ExportOptions,
+                     weight_linear: WeightLinear) -> str | None:
+    """The module name of an HF tensor that gets quantized (a decoder linear's weight), or None to
+    keep it as is."""
+    found = weight_linear(name)
+    if found is None:
         return None
-    layer = int(match.group(1))
+    layer = found[0]
     if layer < options.keep_first_layers or layer >= num_layers - options.keep_last_layers:
         return None
     return name[: -len(".weight")]
@@ -117,9 +122,9 @@ def _scale_name(module: str, options: Fp8ExportOptions) -> str:
     return f"{module}.weight_scale_inv" if options.scheme == "block" else f"{module}.weight_scale"
 
 
-def output_entries(name, shape, dtype, num_layers, options) -> list[tuple[str, torch.dtype, tuple]]:
+def output_entries(name, shape, dtype, num_layers, options, weight_linear) -> list[tuple[str, torch.dtype, tuple]]:
     """The tensors one source tensor becomes in the FP8 checkpoint."""
-    module = quantized_module(name, num_layers, options)
+    module = quantized_module(name, num_layers, options, weight_linear)
     if module is None:
         return [(name, dtype, tuple(shape))]
     if options.scheme == "block":
@@ -132,9 +137,9 @@ def output_entries(name, shape, dtype, num_layers, options) -> list[tuple[str, t
     return entries
 
 
-def export_tensor(name, tensor, num_layers, options) -> dict[str, torch.Tensor]:
+def export_tensor(name, tensor, num_layers, options, weight_linear) -> dict[str, torch.Tensor]:
     """Quantize (or pass through) one source tensor."""
-    module = quantized_module(name, num_layers, options)
+    module = quantized_module(name, num_layers, options, weight_linear)
     if module is None:
         return {name: tensor}
     quantized = quantize_weight(module, tensor, options)
@@ -146,15 +151,18 @@ def export_tensor(name, tensor, num_layers, options) -> dict[str, torch.Tensor]:
 
 
 def quantization_config(hf: dict, options: Fp8ExportOptions) -> dict:
-    """The `quantization_config` of config.json (SGLang's and transformers' `fp8` method)."""
+    """The `quantization_config` of config.json (SGLang's and transformers' `fp8` method); the
+    modules left in high precision are the family's tensors outside the decoder layers (embeddings,
+    final norm, lm_head) and the linears of the kept layers."""
     num_layers = int(hf["num_hidden_layers"])
     kept = [i for i in range(num_layers)
             if i < options.keep_first_layers or i >= num_layers - options.keep_last_layers]
-    linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    family = family_for(hf)
+    outside = sorted({name.removesuffix(".weight") for rule in family.tensors
+                      if not rule.megatron.startswith(LAYER_PREFIX) for name in rule.hf})
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": options.activation_scheme,
-              "modules_to_not_convert": ["lm_head", "model.embed_tokens"]
-              + [f"model.layers.{i}.{m}" for i in kept for m in linears]}
+              "modules_to_not_convert": outside + [HF_LAYER.format(layer=i) + module for i in kept
+                                                   for linear in family.linears for module in linear.hf]}
     if options.scheme == "block":
         config["weight_block_size"] = list(options.weight_block)
     return config
@@ -204,14 +212,14 @@ def write_fp8_checkpoint(groups: Iterable[TensorGroup], hf: dict, output: Path,
                          options: Fp8ExportOptions, progress: bool = True) -> dict[str, str]:
     """Quantize and write every group into one model.safetensors; returns name -> file."""
     groups = list(groups)
-    num_layers = int(hf["num_hidden_layers"])
+    num_layers, weight_linear = int(hf["num_hidden_layers"]), family_for(hf).weight_linear
     entries = [e for source, _ in groups for n, s, d in source
-               for e in output_entries(n, s, d, num_layers, options)]
+               for e in output_entries(n, s, d, num_layers, options, weight_linear)]
     _check_input_bounds([n for n, _, _ in entries], options)
     writer = SafetensorsWriter(output / "model.safetensors", entries)
     for source, load in tqdm(groups, desc="export-fp8", disable=not progress):
         for name, tensor in load().items():
-            for out_name, out_tensor in export_tensor(name, tensor, num_layers, options).items():
+            for out_name, out_tensor in export_tensor(name, tensor, num_layers, options, weight_linear).items():
                 writer.write(out_name, out_tensor)
     writer.close()
     return {name: "model.safetensors" for name, _, _ in entries}
@@ -228,7 +236,7 @@ def export_fp8(source_dir: Path, output_dir: Path, options: Fp8ExportOptions,
     if not (side / "config.json").is_file():
         raise CheckpointError(f"no HF config.json in {side}; pass the HF config folder")
     hf = json.loads((side / "config.json").read_text())
-    table_for(hf)  # a family without a table (Mixtral, GPT-2, ...) is refused by name
+    family_for(hf)  # a family without a table (Mixtral, GPT-2, ...) is refused by name
     if source == "hf":
         groups = hf_source(source_dir)
     elif source == "megatron":

@@ -21,7 +21,7 @@ on the meta device (TP=1, PP=1; megatron_fp8rl.models.build_model_from_hf(..., d
 The checkpoint stores global tensors, so Megatron loads it at any TP/PP (torch_dist reshards on
 load). The HF config and tokenizer are kept in the `hf/` folder inside the checkpoint, for the way
 back and for the rollout engine.
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 
@@ -67,15 +67,9 @@ from tqdm import tqdm
 from megatron_fp8rl.convert.integrity import write_manifest
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import CheckpointError, HFCheckpoint, copy_bytes
-from megatron_fp8rl.convert.tables import (
-    IGNORED_HF_SUFFIXES,
-    LAYER_PREFIX,
-    AttentionShape,
-    Rule,
-    hf_row_counts,
-    row_pieces,
-    table_for,
-)
+from megatron_fp8rl.convert.tables import AttentionShape, hf_row_counts, row_pieces
+from megatron_fp8rl.models.family import LAYER_PREFIX, ModelFamily, Rule
+from megatron_fp8rl.models.registry import family_for
 
 HF_SIDE_FOLDER = "hf"
 """Folder inside a converted Megatron checkpoint holding the HF config and tokenizer files."""
@@ -180,7 +174,9 @@ def plan_hf_to_megatron(
     dtype: torch.dtype | None = None,
 ) -> ConversionPlan:
     """Match every Megatron checkpoint chunk with its HF rows; raise naming any bad tensor."""
-    rules = {rule.megatron: rule for rule in table_for(hf_config)}
+    family = family_for(hf_config)
+    _check_unexpected(hf_config, family, checkpoint)
+    rules = {rule.megatron: rule for rule in family.rules}
     attention = AttentionShape.from_hf(hf_config)
     apply_factories(sharded_state_dict)
     sharded, common = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
@@ -195,23 +191,22 @@ def plan_hf_to_megatron(
             continue
         if item.key not in rules:
             raise CheckpointError(f"Megatron tensor {item.key} has no HF counterpart in the "
-                                  f"{hf_config.get('architectures')} table")
+                                  f"{family.name} table (models/families/{family.name}.py)")
         task = _plan_tensor(item, rules[item.key], attention, checkpoint, dtype, checked)
         tasks[(task.key, task.offsets)] = task
-    _check_unexpected(hf_config, checkpoint, tasks.values())
     return ConversionPlan(tasks, objects, common)
 
 
-def _check_unexpected(hf_config, checkpoint: HFCheckpoint, tasks) -> None:
-    used = {name for task in tasks for name, *_ in task.sources}
-    if hf_config.get("tie_word_embeddings"):
-        used.add("lm_head.weight")  # some tied checkpoints store it anyway; HF ignores it too
+def _check_unexpected(hf_config, family: ModelFamily, checkpoint: HFCheckpoint) -> None:
+    """Before planning: every HF tensor must be in the family's table (a tied checkpoint's stored
+    lm_head included: HF ignores it too)."""
+    known = family.hf_names(int(hf_config["num_hidden_layers"]))
     unexpected = sorted(name for name in checkpoint.entries
-                        if name not in used and not name.endswith(IGNORED_HF_SUFFIXES))
+                        if name not in known and not name.endswith(family.derived_hf_suffixes))
     if unexpected:
         shown = ", ".join(f"{n} {checkpoint.entries[n].shape}" for n in unexpected[:8])
         raise CheckpointError(f"{len(unexpected)} unexpected HF tensors (no Megatron counterpart in "
-                              f"the {hf_config.get('architectures')} table): {shown}")
+                              f"the {family.name} table, models/families/{family.name}.py): {shown}")
 
 
 class _LazySavePlanner(DefaultSavePlanner):

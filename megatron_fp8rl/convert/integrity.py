@@ -8,7 +8,7 @@ A manifest guards against damage, not against an attacker, who can rewrite it to
 checkpoint are loaded restricted for that (compat/safe_dcp.py). `verify_torch_dist(folder)` runs
 both checks before a torch_dist folder is handed to Megatron-Core, whose own errors would bury ours.
 `hf_fingerprint(folder)`: a cheap content fingerprint of an HF checkpoint (what a run was made from).
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 

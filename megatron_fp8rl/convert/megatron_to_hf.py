@@ -5,7 +5,7 @@ unexpected tensors and shape mismatches are reported before anything is written)
 layer slice of one Megatron tensor at a time through torch.distributed.checkpoint (whatever TP/PP
 chunks it was saved in), splitting it into its HF tensors, and streaming them into safetensors
 shards whose headers are written first. Needs no process group and no model.
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ from megatron_fp8rl.convert.hf_to_megatron import HF_SIDE_FOLDER, unwrap_dcp_err
 from megatron_fp8rl.convert.integrity import verify_manifest
 from megatron_fp8rl.convert.outputs import atomic_output, check_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import INDEX_FILE, CheckpointError, SafetensorsWriter
-from megatron_fp8rl.convert.tables import LAYER_PREFIX, AttentionShape, Rule, row_pieces, table_for
+from megatron_fp8rl.convert.tables import AttentionShape, row_pieces
+from megatron_fp8rl.models.family import LAYER_PREFIX, Rule
+from megatron_fp8rl.models.registry import family_for
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -75,11 +77,12 @@ def read_tensor_metadata(directory: Path, key_prefix: str = "") -> dict[str, Ten
 
 def plan_megatron_to_hf(hf: Mapping[str, Any], tensors: Mapping[str, TensorStorageMetadata]) -> list[Unit]:
     """Every layer slice to read and the HF tensors it becomes; raises naming any bad tensor."""
-    rules = {rule.megatron: rule for rule in table_for(hf)}
+    family = family_for(hf)
+    rules = {rule.megatron: rule for rule in family.rules}
     unexpected = sorted(set(tensors) - set(rules))
     if unexpected:
-        raise CheckpointError(f"unexpected Megatron tensors (not in the {hf.get('architectures')} "
-                              f"table): {', '.join(unexpected)}")
+        raise CheckpointError(f"unexpected Megatron tensors (not in the {family.name} table, "
+                              f"models/families/{family.name}.py): {', '.join(unexpected)}")
     attention, num_layers = AttentionShape.from_hf(hf), int(hf["num_hidden_layers"])
     units = []
     for rule in rules.values():
@@ -87,7 +90,7 @@ def plan_megatron_to_hf(hf: Mapping[str, Any], tensors: Mapping[str, TensorStora
             if rule.megatron == "output_layer.weight" and hf.get("tie_word_embeddings"):
                 continue
             raise CheckpointError(f"missing Megatron tensor {rule.megatron} (expected by the "
-                                  f"{hf.get('architectures')} table and config)")
+                                  f"{family.name} table and config)")
         md = tensors[rule.megatron]
         shape, layers = tuple(md.size), [None]
         if rule.megatron.startswith(LAYER_PREFIX):

@@ -7,7 +7,7 @@ refused before any work, and a write that fails names the output, not the hidden
 temporaries left by a killed writer are removed at the next write of the same output),
 `writable_problem` (why a path cannot be written), `copy_hf_side_files` (config, generation
 config, tokenizer).
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Owns: finding the GGUF file inside the installed package (without importing it: 
 `__init__` imports the `llm` CLI, which we do not install) and writing the dequantized model and
 its tokenizer as an HF safetensors checkpoint through transformers (needs `gguf` and
 `accelerate`). The real pretrained model of the CPU demo and the slow tests.
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 

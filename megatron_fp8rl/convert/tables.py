@@ -1,11 +1,11 @@
-"""Per-family name maps between HF and Megatron-Core checkpoints, with their split/merge layouts.
+"""How a Megatron tensor's rows are cut from its HF tensors: the layouts of the family tables.
 
-Owns: `Rule` (one Megatron tensor <- one or more HF tensors), the Llama, Qwen2 and Qwen3 tables,
-`table_for(architecture)` and `row_pieces` (how a Megatron tensor's rows are cut from its HF
-tensors). Megatron keys are the *checkpoint* keys of Megatron-Core 0.16.1's torch_dist format:
-decoder layers are stacked (key without the layer number; layer = offset on axis 0), and the local
-spec's separate norms are stored under TE's fused names (`linear_qkv.layer_norm_weight`,
-`linear_fc1.layer_norm_weight`), so one table serves both specs.
+Owns: `AttentionShape` (the head counts the qkv layout needs) and `row_pieces` / `hf_row_counts`.
+The name/layout tables themselves are the model families' (models/families/<family>.py: `Rule`,
+`ModelFamily.rules`). Megatron keys are the *checkpoint* keys of Megatron-Core 0.16.1's
+torch_dist format: decoder layers are stacked (key without the layer number; layer = offset on
+axis 0), and the local spec's separate norms are stored under TE's fused names, so one table
+serves both specs.
 
 Layouts (a Megatron tensor is the dim-0 concatenation of row ranges of its HF tensors):
 - copy:    the one HF tensor as is.
@@ -13,7 +13,7 @@ Layouts (a Megatron tensor is the dim-0 concatenation of row ranges of its HF te
            (weights [rows, hidden] and biases [rows] alike). Contiguous groups shard over TP.
 - gate_up: [gate; up] from gate_proj, up_proj (Megatron's checkpoint stores the full fc1 in this
            order; each TP rank holds [gate shard; up shard] in memory).
-Must not import: models, rollout, data, trainer, cli.
+Must not import: rollout, data, trainer, cli.
 """
 from __future__ import annotations
 
@@ -21,24 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
-
-LAYER_PREFIX = "decoder.layers."
-"""Megatron keys under this prefix are stacked over layers (axis 0 = layer)."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One Megatron tensor and the HF tensors it is made of."""
-
-    megatron: str
-    """Megatron checkpoint key (stacked over layers when it starts with LAYER_PREFIX)."""
-    hf: tuple[str, ...]
-    """HF tensor names; `{layer}` stands for the layer number."""
-    layout: str = "copy"
-    """How the HF tensors' rows make up the Megatron tensor: copy, qkv or gate_up."""
-
-    def hf_names(self, layer: int | None) -> tuple[str, ...]:
-        return tuple(name.format(layer=layer) for name in self.hf)
+from megatron_fp8rl.models.family import Rule
 
 
 @dataclass(frozen=True)
@@ -97,49 +80,3 @@ def row_pieces(rule: Rule, attention: AttentionShape, rows: int) -> list[Piece]:
 def hf_row_counts(rule: Rule, pieces: list[Piece]) -> list[int]:
     """Rows each HF tensor of `rule` must have, given its pieces."""
     return [max(end for i, _, end in pieces if i == index) for index in range(len(rule.hf))]
-
-
-_LAYER = "model.layers.{layer}."
-LLAMA: tuple[Rule, ...] = (
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-    Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-         (_LAYER + "input_layernorm.weight",)),
-    Rule("decoder.layers.self_attention.linear_qkv.weight",
-         tuple(_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
-    Rule("decoder.layers.self_attention.linear_proj.weight", (_LAYER + "self_attn.o_proj.weight",)),
-    Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight",
-         (_LAYER + "post_attention_layernorm.weight",)),
-    Rule("decoder.layers.mlp.linear_fc1.weight",
-         (_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"), "gate_up"),
-    Rule("decoder.layers.mlp.linear_fc2.weight", (_LAYER + "mlp.down_proj.weight",)),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",)),
-)
-QWEN2: tuple[Rule, ...] = LLAMA + (
-    Rule("decoder.layers.self_attention.linear_qkv.bias",
-         tuple(_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
-)
-QWEN3: tuple[Rule, ...] = LLAMA + (
-    Rule("decoder.layers.self_attention.q_layernorm.weight", (_LAYER + "self_attn.q_norm.weight",)),
-    Rule("decoder.layers.self_attention.k_layernorm.weight", (_LAYER + "self_attn.k_norm.weight",)),
-)
-TABLES: dict[str, tuple[Rule, ...]] = {
-    "LlamaForCausalLM": LLAMA,
-    "Qwen2ForCausalLM": QWEN2,
-    "Qwen3ForCausalLM": QWEN3,
-}
-"""HF architecture -> table (the same names as megatron_fp8rl.models.registry)."""
-
-IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-"""HF tensors that are derived buffers, not weights (old Llama checkpoints store them)."""
-
-
-def table_for(hf: Mapping[str, Any]) -> tuple[Rule, ...]:
-    """The table of an HF config dict; raises listing the supported architectures."""
-    for architecture in hf.get("architectures") or []:
-        if architecture in TABLES:
-            return TABLES[architecture]
-    raise CheckpointError(
-        f"unsupported architecture {hf.get('architectures') or hf.get('model_type')!r}; "
-        f"supported: {', '.join(sorted(TABLES))}"
-    )

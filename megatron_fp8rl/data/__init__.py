@@ -1,5 +1,5 @@
 """Prompts and rewards: prompt datasets (JSONL, Parquet), the built-in arithmetic task, chat
 templating, resumable sampling, and reward functions with error/timeout accounting.
 
-Must not import: models, convert, rollout, trainer, cli (layer L2 imports only L0/L1).
+Must not import: convert, rollout, trainer, cli (layer L3 imports only L0-L2).
 """

@@ -1,7 +1,7 @@
 """The built-in arithmetic task: generated problems with deterministic train/eval splits.
 
 Owns: the problem universe (2-digit addition and subtraction, 1-digit multiplication, 2-digit by
-1-digit multiplication), the split rule and the prompt wording. Must not import: models, convert, rollout, trainer, cli.
+1-digit multiplication), the split rule and the prompt wording. Must not import: convert, rollout, trainer, cli.
 
 Split rule: a problem belongs to `eval` when the first byte of sha256("a op b") is < 256 *
 EVAL_FRACTION, so the two splits never share a problem, whatever seed or size is asked for.

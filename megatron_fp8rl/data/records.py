@@ -1,7 +1,7 @@
 """Prompt records and the dataset files they come from.
 
 Owns: `PromptRecord`, reading JSONL and Parquet prompt files, turning a record into prompt token
-ids with the tokenizer's chat template. Must not import: models, convert, rollout, trainer, cli.
+ids with the tokenizer's chat template. Must not import: convert, rollout, trainer, cli.
 
 Schema (one JSON object per line, or one Parquet row):
     {"prompt": "What is 2+3?", "answer": "5"}

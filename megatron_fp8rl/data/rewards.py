@@ -6,7 +6,7 @@ that a reward that raises, times out or returns a non-finite value scores 0 and 
 of crashing the run, a hung reward cannot keep the process alive nor outlive it (kill -9
 included), and a batch in which every call
 failed stops the run with the first failure's text.
-Must not import: models, convert, rollout, trainer, cli.
+Must not import: convert, rollout, trainer, cli.
 
 A reward function is `fn(response: str, answer: str) -> float`.
 """

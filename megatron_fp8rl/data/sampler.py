@@ -1,6 +1,6 @@
 """Resumable prompt sampling: epochs of seeded shuffles, with a position that checkpoints.
 
-Owns: `PromptSampler`. Must not import: models, convert, rollout, trainer, cli.
+Owns: `PromptSampler`. Must not import: convert, rollout, trainer, cli.
 """
 from __future__ import annotations
 

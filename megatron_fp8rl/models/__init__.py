@@ -2,4 +2,6 @@
 
 Owns: turning a model description into a Megatron `TransformerConfig`, a layer spec and a
 `GPTModel`. Must not import: convert, rollout, data, trainer, cli (layer L2 imports only L0/L1).
+The family files (family.py, families/, registry.py) are pure data that every
+layer above reads, the SGLang plugin included: they import only the standard library.
 """

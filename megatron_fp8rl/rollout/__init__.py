@@ -5,7 +5,7 @@ Owns: `engine` (interface, dataclasses, errors), `weights` (validating updates),
 HTTP client), `sglang_fp8` (our FP8 quantization method inside SGLang, registered by the
 `sglang.srt.plugins` entry point in setup.py). Importing this package imports neither sglang nor
 requests' servers; the SGLang modules are imported by name.
-Must not import: models, convert, data, trainer, cli (layer L2 imports only L0/L1 of ours).
+Must not import: convert, data, trainer, cli (layer L3 imports only L0-L2 of ours).
 """
 from megatron_fp8rl.rollout.engine import (
     RolloutEngine,

@@ -1,7 +1,7 @@
 """The rollout engine interface: what the trainer asks of whatever serves rollouts.
 
 Owns: `SamplingParams`, `RolloutSample`, the `RolloutEngine` protocol and the rollout error types.
-Must not import: models, convert, data, trainer, cli (layer L2 imports only L0/L1 of ours).
+Must not import: convert, data, trainer, cli (layer L3 imports only L0-L2 of ours).
 """
 from __future__ import annotations
 

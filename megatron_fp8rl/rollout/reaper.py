@@ -6,7 +6,7 @@ when this process dies: for processes started by a library we do not control, su
 scheduler and detokenizer, which would otherwise keep their memory and ports after a kill -9.
 The reaper gets SIGTERM from the kernel when its parent thread dies, kills its list and exits;
 `stop()` ends it without killing anything.
-Must not import: models, convert, data, trainer, cli.
+Must not import: convert, data, trainer, cli.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Owns: `SGLangConfig`, `MEMORY_TAGS`, `engine_kwargs`, `server_argv`, `sglang_sam
 the rollout FP8 modes (`ROLLOUT_FP8`, `ACTIVATION_SCHEMES`, `FP8_BACKENDS`, `check_aligned_backend`,
 `check_fp8_checkpoint`): which FP8 checkpoint layout each mode serves and which SGLang quantization
 method serves it. trainer/config.py takes these names from here (one set of enums).
-Must not import: models, convert, data, trainer, cli; and not sglang itself (the server client
+Must not import: convert, data, trainer, cli; and not sglang itself (the server client
 never imports it).
 """
 from __future__ import annotations

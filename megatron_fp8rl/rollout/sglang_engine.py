@@ -5,7 +5,7 @@ stand-ins, generation with temperature-1 logprobs, validated weight updates thro
 `update_weights_from_tensor` between `begin_weight_update()`/`end_weight_update()`, colocated
 memory release/resume through SGLang's own API, and a shutdown that stops only the processes this
 engine started.
-Must not import: models, convert, data, trainer, cli.
+Must not import: convert, data, trainer, cli.
 
 SGLang 0.5.23 behaviours handled here (measured on CPU):
 - A child failure makes the stock Engine kill its whole process tree, the host included; the

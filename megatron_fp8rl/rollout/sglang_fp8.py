@@ -4,7 +4,11 @@ Owns: `Fp8RLConfig` (SGLang `QuantizationConfig`, method name `OUR_FP8_METHOD`),
 `Fp8RLLinearMethod`, and `register()`, the `sglang.srt.plugins` entry point (setup.py) that SGLang's
 `load_plugins()` runs in its main process, scheduler and detokenizer; it also pins SGLang's
 torch_native attention calls to one thread (compat/aligned_threads.py), as the trainer runs them.
-Must not import: models, convert, data, trainer, cli. Imports sglang: load it only where SGLang runs.
+Which layers are decoder linears, how SGLang fuses them and the shard ids its loaders pass are the
+model family's (models/families/<family>.py, looked up from the `hf_config` SGLang hands
+`from_config`): a model whose family is unknown, or a linear its family does not list, is refused.
+Must not import: convert, data, trainer, cli; of models only the pure-data family modules
+(models.family, models.registry). Imports sglang: load it only where SGLang runs.
 
 Checkpoint layouts served (what convert/fp8_export.py writes; `quant_method: fp8`):
 - per tensor: weight E4M3 [N, K] + `weight_scale` (dequant multiplier, one per fused shard) and,
@@ -56,9 +60,9 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_per_row,
     quantize_with_scale_inv,
 )
+from megatron_fp8rl.models.family import DecoderLinear, ModelFamily
+from megatron_fp8rl.models.registry import family_for
 from megatron_fp8rl.rollout.sglang_common import OUR_FP8_METHOD
-
-QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
 def _native_fp8_unusable() -> bool:
@@ -68,13 +72,10 @@ def _native_fp8_unusable() -> bool:
     return is_cpu() and not cpu_has_amx_support()
 
 
-def _is_skipped(prefix: str, ignored: list[str]) -> bool:
-    """Whether the layer `prefix` (maybe a fused qkv_proj/gate_up_proj) stays high precision."""
-    bare = prefix.removeprefix("model.")
-    names = {bare}
-    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
-        if bare.endswith(fused):
-            names = {bare[: -len(fused)] + part for part in parts}
+def _is_skipped(prefix: str, ignored: list[str], family: ModelFamily) -> bool:
+    """Whether the layer `prefix` (maybe fused from several HF linears) stays high precision."""
+    layer, linear = family.sglang_linear(prefix)
+    names = {f"layers.{layer}.{module}" for module in linear.hf}
     skipped = [any(name == i or name.startswith(i + ".") for i in ignored) for name in names]
     if any(skipped) and not all(skipped):
         raise ValueError(f"{OUR_FP8_METHOD}: fused layer {prefix} has some shards quantized and some not")
@@ -84,9 +85,11 @@ def _is_skipped(prefix: str, ignored: list[str]) -> bool:
 class Fp8RLConfig(QuantizationConfig):
     """FP8 checkpoints (per-tensor or 128x128 block weights) served by megatron_fp8rl's FP8 math."""
 
-    def __init__(self, weight_block_size: list[int] | None, activation_scheme: str,
+    def __init__(self, family: ModelFamily, weight_block_size: list[int] | None, activation_scheme: str,
                  ignored_layers: list[str], gemm: str = "batch_invariant"):
         super().__init__()
+        self.family = family
+        """The served model's family: its decoder linears and SGLang's fused names for them."""
         resolve_gemm(gemm, torch.device("cpu"))  # reject an unknown name now
         self.gemm = gemm
         """The FP8 GEMM of fp8/linear.py GEMMS; the trainer's aligned recompute must use the same."""
@@ -127,8 +130,12 @@ class Fp8RLConfig(QuantizationConfig):
         fmt = config.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"{OUR_FP8_METHOD}: only E4M3 checkpoints are served, found fmt={fmt!r}")
+        if config.get("hf_config") is None:
+            raise ValueError(f"{OUR_FP8_METHOD}: SGLang passed no hf_config with the quantization config; "
+                             "the model family (its decoder linears) is unknown")
+        family = family_for(config["hf_config"].to_dict())
         ignored = cls.get_from_keys_or(config, ["ignored_layers", "modules_to_not_convert"], None) or []
-        return cls(cls.get_from_keys_or(config, ["weight_block_size"], None),
+        return cls(family, cls.get_from_keys_or(config, ["weight_block_size"], None),
                    cls.get_from_keys_or(config, ["activation_scheme"], "dynamic"), list(ignored))
 
     @classmethod
@@ -143,10 +150,11 @@ class Fp8RLConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         """Our linear method for quantized decoder linears; plain linears for the ones left in
-        high precision; None (unquantized) for embeddings, lm_head and everything else."""
+        high precision; None (unquantized) for embeddings, lm_head and everything else. A linear
+        layer the family does not list raises UnsupportedModelError naming it."""
         if not isinstance(layer, LinearBase):
             return None
-        if _is_skipped(prefix, self.ignored_layers):
+        if _is_skipped(prefix, self.ignored_layers, self.family):
             return UnquantizedLinearMethod()
         return Fp8RLLinearMethod(self, prefix)
 
@@ -154,11 +162,12 @@ class Fp8RLConfig(QuantizationConfig):
         return []
 
 
-def _shard_index(shard_id, shards: int, prefix: str) -> int:
-    index = 0 if shard_id is None else QKV_SHARDS.get(shard_id, shard_id)
-    if not isinstance(index, int) or not 0 <= index < shards:
-        raise ValueError(f"{prefix}: unknown shard {shard_id!r} of a layer with {shards} shards")
-    return index
+def _shard_index(shard_id, linear: DecoderLinear, prefix: str) -> int:
+    """The position of SGLang's `shard_id` among the linear's HF parts (None: unfused)."""
+    ids = linear.sglang_shards or (None,)
+    if shard_id not in ids:
+        raise ValueError(f"{prefix}: unknown shard {shard_id!r} of a layer with shards {ids}")
+    return ids.index(shard_id)
 
 
 class Fp8RLLinearMethod(LinearMethodBase):
@@ -166,11 +175,15 @@ class Fp8RLLinearMethod(LinearMethodBase):
 
     def __init__(self, config: Fp8RLConfig, prefix: str):
         self.config, self.prefix = config, prefix
+        self.linear = config.family.sglang_linear(prefix)[1]
         self.block = config.block
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra):
         shards = list(output_partition_sizes)
+        if len(shards) != len(self.linear.hf):
+            raise ValueError(f"{self.prefix}: SGLang fuses {len(shards)} shards, the {self.config.family.name} family's "
+                             f"{self.linear.megatron} has {len(self.linear.hf)}: {', '.join(self.linear.hf)}")
         weight = ModelWeightParameter(
             data=torch.empty(sum(shards), input_size_per_partition, dtype=E4M3.dtype),
             input_dim=1, output_dim=0, weight_loader=extra.get("weight_loader"))
@@ -211,8 +224,7 @@ class Fp8RLLinearMethod(LinearMethodBase):
         return param
 
     def _load_scale(self, layer, name: str, param, loaded: torch.Tensor, shard_id) -> None:
-        shards = layer.fp8rl_shards
-        index = _shard_index(shard_id, len(shards), self.prefix)
+        index = _shard_index(shard_id, self.linear, self.prefix)
         if self.block is None:
             if loaded.numel() != 1:
                 raise ValueError(f"{self.prefix}.{name}: expected one per-tensor scale, found shape {tuple(loaded.shape)}")

@@ -2,7 +2,7 @@
 `python -m sglang.launch_server` starts it, plus on the CPU tier what seeded sampling needs there
 (compat.sglang_cpu_sampling): `SGLangServer` starts this module in its child process.
 
-Owns: that entry point only. Must not import: models, convert, data, trainer, cli.
+Owns: that entry point only. Must not import: convert, data, trainer, cli.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ headers, and validating (name, tensor) pairs against them (an FP8 checkpoint's w
 float8_e4m3fn, its scales and other tensors as floating point). SGLang 0.5.23 answers an unknown name with a
 KeyError in its scheduler that kills the whole engine (DESIGN.md hazard 4), so nothing unchecked
 is ever sent.
-Must not import: models, convert, data, trainer, cli.
+Must not import: convert, data, trainer, cli.
 """
 from __future__ import annotations
 

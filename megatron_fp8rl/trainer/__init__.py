@@ -1,5 +1,5 @@
 """The training side of the RL loop: Megatron optimizer steps, and later the RL step loop.
 
 Owns: wrapping models in Megatron DDP, the optimizer, one forward/backward/step over micro-batches.
-Must not import: cli (layer L3 imports L0-L2 only).
+Must not import: cli (layer L4 imports L0-L3 only).
 """

@@ -17,12 +17,14 @@ Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
   (`compat.megatron_fp8_linear.frozen_fp8_scales`). At start, before the trainer has recorded any
   activation bound, the scales come from the calibrated recipe's rules applied to the HF weights
   and to activations calibrated on prompts; the trainer reads them back from the served checkpoint.
-Scales are keyed by (global layer number, Megatron linear path), values are fp32 dequant
+Scales are keyed by (global layer number, Megatron linear path: the model family's
+`DecoderLinear.megatron`, models/families/<family>.py), values are fp32 dequant
 multipliers (weight_scale_inv, input_scale_inv).
 Must not import: cli, trainer.loop, trainer.rl_step.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -40,17 +42,12 @@ from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.quantize import finite_amax, quantize_with_scale_inv
 from megatron_fp8rl.fp8.recipe import Fp8Recipe, recipe_by_name
+from megatron_fp8rl.models.family import ModelFamily
+from megatron_fp8rl.models.registry import family_for, weight_linear
 from megatron_fp8rl.trainer.config import ROW_GROUP_RECIPES, SHARED_SCALE_RECIPES, check_rollout_fp8
 
 ROLLOUT_CHECKPOINT = "rollout_fp8"
 """Folder (under the run directory) of the FP8 checkpoint the rollout engine starts from."""
-HF_MODULES = {
-    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attention.linear_proj": ("self_attn.o_proj",),
-    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.linear_fc2": ("mlp.down_proj",),
-}
-"""Megatron linear path -> the HF linears it is fused from (convert/tables.py layouts)."""
 Scales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -71,17 +68,14 @@ def export_options(rollout_fp8: str, activation_scheme: str, bounds=None, traine
                             bounds=bounds or {})
 
 
-def hf_module_names(layer: int, path: str) -> list[str]:
-    return [f"model.layers.{layer}.{name}" for name in HF_MODULES[path]]
+def _family(checkpoint: Path) -> ModelFamily:
+    return family_for(json.loads((Path(checkpoint) / "config.json").read_text()))
 
 
-def _megatron_linear(module: str) -> tuple[int, str]:
-    """'model.layers.3.self_attn.k_proj' -> (3, 'self_attention.linear_qkv')."""
-    _, _, layer, rest = module.split(".", 3)
-    for path, names in HF_MODULES.items():
-        if rest in names:
-            return int(layer), path
-    raise KeyError(f"{module} is not a decoder linear of the HF layout ({sorted(HF_MODULES)})")
+def _megatron_linear(family: ModelFamily, module: str) -> tuple[int, str]:
+    """'model.layers.3.self_attn.k_proj' -> (3, 'self_attention.linear_qkv'), the key of Scales."""
+    layer, linear = family.decoder_linear(module)
+    return layer, linear.megatron
 
 
 def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, activation_scheme: str,
@@ -108,15 +102,15 @@ def _recipe_bounds(hf_path: Path, input_bounds: dict, margin: int) -> dict[str, 
     """Per HF linear: the bounds the trainer's recipe would pick for its fused Megatron linear
     (max over the fused shards, times 2**margin, so scale = fp8_max / bound as the exporter
     computes equals the recipe's (fp8_max / c) / 2**margin)."""
-    weights = {}
+    family, weights = _family(hf_path), {}
     for path in sorted(Path(hf_path).glob("*.safetensors")):
         with safe_open(str(path), "pt") as handle:
             for name in handle.keys():
-                if name.endswith("_proj.weight") and name.startswith("model.layers."):
+                if family.weight_linear(name) is not None:
                     weights[name[: -len(".weight")]] = float(finite_amax(handle.get_tensor(name)))
     groups: dict[tuple[int, str], list[str]] = {}
     for module in weights:
-        groups.setdefault(_megatron_linear(module), []).append(module)
+        groups.setdefault(_megatron_linear(family, module), []).append(module)
     bounds = {}
     for members in groups.values():
         missing = [m for m in members if m not in input_bounds]
@@ -139,8 +133,9 @@ def served_scales(fp8_dir: Path) -> Scales:
                     if name.endswith("." + kind):
                         found.setdefault(name[: -len(kind) - 1], {})[kind] = handle.get_tensor(name).float()
     scales: Scales = {}
+    family = _family(fp8_dir)
     for module, entry in sorted(found.items()):
-        key = _megatron_linear(module)
+        key = _megatron_linear(family, module)
         pair = (entry["weight_scale"].reshape(()), entry["input_scale"].reshape(()))
         if key in scales and not all(torch.equal(a, b) for a, b in zip(scales[key], pair)):
             raise CheckpointError(f"{fp8_dir}: the fused shards of layer {key[0]} {key[1]} have different "
@@ -157,7 +152,9 @@ def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, 
     (none), quantized like the exporter (blockwise, per_tensor: weight and weight scale; a static
     checkpoint keeps its input scales; aligned with a row-group `trainer_fp8`: weight and its
     1x128 group scales), or quantized with the trainer's `scales` (aligned with a shared-scale
-    recipe: weight, weight_scale and input_scale of every HF linear)."""
+    recipe: weight, weight_scale and input_scale of every HF linear). Which tensors are decoder
+    linears comes from the model families' tables (models.registry.weight_linear): a name no
+    family knows raises UnsupportedModelError before anything is sent."""
     if rollout_fp8 == "none":
         yield from named
         return
@@ -165,11 +162,12 @@ def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, 
     if rollout_fp8 == "aligned" and options.scheme == "tensor" and scales is None:
         raise ValueError(f"aligned rollouts of trainer recipe {trainer_fp8!r} send the trainer's scales: none given")
     for name, tensor in named:
-        module = quantized_module(name, num_layers, options)
+        module = quantized_module(name, num_layers, options, weight_linear)
         if module is None or scales is None:
-            yield from export_tensor(name, tensor, num_layers, options).items()
+            yield from export_tensor(name, tensor, num_layers, options, weight_linear).items()
             continue
-        weight_inv, input_inv = scales[_megatron_linear(module)]
+        layer, linear = weight_linear(name)
+        weight_inv, input_inv = scales[(layer, linear.megatron)]
         quantized = quantize_with_scale_inv(tensor, weight_inv, E4M3)
         yield name, quantized.data
         yield f"{module}.weight_scale", weight_inv.reshape(())

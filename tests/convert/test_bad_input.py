@@ -18,6 +18,7 @@ from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.outputs import OutputExistsError, OutputOverlapsInputError
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
+from megatron_fp8rl.models.family import UnsupportedModelError
 from megatron_fp8rl.models.hf import build_model_from_hf
 from tests.conftest import meet_permission_bits
 from tests.models.tiny_hf import save_tiny_hf
@@ -96,7 +97,7 @@ def test_unknown_architecture_lists_supported(qwen2, tmp_path):
     shutil.copytree(hf_dir, tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         convert_hf_to_megatron(tmp_path / "hf", tmp_path / "out", target(), progress=False)
 
 

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
-from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import get_format
 from megatron_fp8rl.fp8.quantize import dequantize_blockwise, quantize_blockwise, quantize_per_tensor
+from megatron_fp8rl.models.family import UnsupportedModelError
 from megatron_fp8rl.models.hf import build_model_from_hf
 
 E4M3 = get_format("e4m3")
@@ -141,7 +141,7 @@ def test_families_without_a_table_are_refused_by_name(hf_dir, tmp_path, architec
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(dict(config, architectures=[architecture],
                                                        model_type=model_type)))
-    with pytest.raises(CheckpointError, match=rf"unsupported architecture \['{architecture}'\]; supported:"):
+    with pytest.raises(UnsupportedModelError, match=rf"unsupported architecture \['{architecture}'\]; supported:"):
         export_fp8(other, tmp_path / "out", Fp8ExportOptions(), progress=False)
     assert not (tmp_path / "out").exists()
 

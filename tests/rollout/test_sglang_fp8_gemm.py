@@ -16,6 +16,7 @@ from megatron_fp8rl.fp8.linear import fp8_linear
 from megatron_fp8rl.fp8.quantize import WEIGHT_BLOCK, quantize_blockwise, quantize_with_scale_inv
 from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers
 from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, groupwise
+from megatron_fp8rl.models.families.llama import FAMILY as LLAMA
 from tests.rollout.conftest import needs_sglang
 
 pytestmark = [needs_sglang, pytest.mark.triton]
@@ -23,6 +24,7 @@ pytestmark = [needs_sglang, pytest.mark.triton]
 SHARDS = {"q": 128, "k": 64, "v": 64}
 K, TOKENS, PROMPT = 192, 9, 5
 PREFIX = "model.layers.0.self_attn.qkv_proj"
+GATE_UP = "model.layers.0.mlp.gate_up_proj"
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,9 @@ def _inputs(seed=0, k=K, n=sum(SHARDS.values())):
             torch.randn(n, generator=gen))
 
 
-def _served(plugin, config, shard_weights: dict, shard_scales: dict, input_scale=None):
+def _served(plugin, config, shard_weights: dict, shard_scales: dict, input_scale=None, prefix=PREFIX):
     """A fused layer built and loaded through the method's own parameters and loaders."""
-    method = plugin.Fp8RLLinearMethod(config, PREFIX)
+    method = plugin.Fp8RLLinearMethod(config, prefix)
     layer = torch.nn.Module()
     widths = [w.shape[0] for w in shard_weights.values()]
     k = next(iter(shard_weights.values())).shape[1]
@@ -76,7 +78,7 @@ def test_aligned_per_tensor_plugin_equals_trainer_bit_for_bit(plugin):
     trainer = trainer[:, torch.argsort(order)]
     served = quantize_with_scale_inv(weight, weight_scale_inv, E4M3).data
     shards = dict(zip(SHARDS, torch.split(served, list(SHARDS.values()))))
-    config = plugin.Fp8RLConfig(None, "static", [], gemm="triton_invariant")
+    config = plugin.Fp8RLConfig(LLAMA, None, "static", [], gemm="triton_invariant")
     method, layer = _served(plugin, config, shards, {s: weight_scale_inv for s in SHARDS}, input_scale_inv)
     assert torch.equal(method.apply(layer, x, bias)[0], trainer)  # the whole sequence at once
     assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
@@ -87,9 +89,9 @@ def test_block_scaled_plugin_equals_trainer_bit_for_bit(plugin):
     trainer = fp8_linear(x, weight, bias, make_quantizers(BlockwiseScaling()), "triton_invariant")[0]
     halves = torch.split(weight, 128)
     shards = {i: quantize_blockwise(h, E4M3, WEIGHT_BLOCK) for i, h in enumerate(halves)}
-    config = plugin.Fp8RLConfig(list(WEIGHT_BLOCK), "dynamic", [], gemm="triton_invariant")
+    config = plugin.Fp8RLConfig(LLAMA, list(WEIGHT_BLOCK), "dynamic", [], gemm="triton_invariant")
     method, layer = _served(plugin, config, {i: q.data for i, q in shards.items()},
-                            {i: q.scale_inv for i, q in shards.items()})
+                            {i: q.scale_inv for i, q in shards.items()}, prefix=GATE_UP)
     assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
 
 
@@ -104,7 +106,7 @@ def test_groupwise_plugin_equals_trainer_bit_for_bit(plugin, gemm, k):
     trainer = trainer[:, torch.argsort(order)]
     shards = {name: quantize_blockwise(w, E4M3, (1, 128))
               for name, w in zip(SHARDS, torch.split(weight, list(SHARDS.values())))}
-    config = plugin.Fp8RLConfig([1, 128], "dynamic", [], gemm=gemm)
+    config = plugin.Fp8RLConfig(LLAMA, [1, 128], "dynamic", [], gemm=gemm)
     assert config.weight_block_size is None  # SGLang's CPU padding asserts square blocks
     method, layer = _served(plugin, config, {n: q.data for n, q in shards.items()},
                             {n: q.scale_inv for n, q in shards.items()})
@@ -116,7 +118,7 @@ def test_explicit_triton_gemm_refuses_per_token_activations(plugin):
     x, weight, bias = _inputs()
     scale = weight.abs().max() / 448
     shards = dict(zip(SHARDS, torch.split(quantize_with_scale_inv(weight, scale, E4M3).data, list(SHARDS.values()))))
-    config = plugin.Fp8RLConfig(None, "dynamic", [], gemm="triton_invariant")
+    config = plugin.Fp8RLConfig(LLAMA, None, "dynamic", [], gemm="triton_invariant")
     method, layer = _served(plugin, config, shards, {s: scale for s in SHARDS})
     with pytest.raises(ValueError, match=r"triton_invariant FP8 GEMM: operands row None x tensor None"):
         method.apply(layer, x, bias)
@@ -124,4 +126,16 @@ def test_explicit_triton_gemm_refuses_per_token_activations(plugin):
 
 def test_unknown_gemm_is_refused_at_config_time(plugin):
     with pytest.raises(ValueError, match="unknown FP8 gemm 'cublas'"):
-        plugin.Fp8RLConfig(None, "static", [], gemm="cublas")
+        plugin.Fp8RLConfig(LLAMA, None, "static", [], gemm="cublas")
+
+
+def test_shards_and_shard_ids_must_be_the_familys(plugin):
+    """SGLang's fused layer must have as many shards as the family's linear has HF parts, and load
+    scales only under the family's shard ids."""
+    config = plugin.Fp8RLConfig(LLAMA, None, "static", [])
+    with pytest.raises(ValueError, match=r"qkv_proj: SGLang fuses 2 shards, the llama family's "
+                                         r"self_attention.linear_qkv has 3: self_attn.q_proj"):
+        _served(plugin, config, {0: torch.zeros(8, 4), 1: torch.zeros(8, 4)}, {})
+    weights = {s: torch.zeros(w, 4, dtype=E4M3.dtype) for s, w in SHARDS.items()}
+    with pytest.raises(ValueError, match=r"qkv_proj: unknown shard 0 of a layer with shards \('q', 'k', 'v'\)"):
+        _served(plugin, config, weights, {0: torch.tensor(1.0)})

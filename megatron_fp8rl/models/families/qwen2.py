@@ -1,11 +1,13 @@
 """The Qwen2 / Qwen2.5 family: the Llama layout plus a bias on the q/k/v projections.
 
-Owns: the Qwen2 `ModelFamily`. Must not import: convert, rollout, data, trainer, cli.
+Owns: the Qwen2 `ModelFamily`. Must not import: anything but the standard library and the
+family files (models/family.py, families/llama.py).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+from megatron_fp8rl.models.families import llama
 from megatron_fp8rl.models.family import ModelFamily, reject
 
 
@@ -21,4 +23,6 @@ FAMILY = ModelFamily(
     qkv_bias=lambda hf_config: True,
     qk_layernorm=False,
     check=_check,
+    linears=llama.LINEARS,
+    tensors=llama.TENSORS + (llama.QKV.rule("bias"),),
 )
