@@ -116,7 +116,8 @@ class MegatronActor:
 
         seq = micro_batches[0]["tokens"].shape[1]
         forward = self._forward_as_served if as_served else self._forward
-        return [out["logprobs"] for out in forward_only(self.model, micro_batches, forward, collect, seq)]
+        out = forward_only(self.model, micro_batches, forward, collect, seq, micro_batches[0]["tokens"].shape[0])
+        return [o["logprobs"] for o in out]
 
     def shadow_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """`logprobs` of the high-precision shadow: the same weights with every FP8 linear computed
@@ -141,12 +142,12 @@ class MegatronActor:
             logprobs, entropy = self.token_logprobs(batch, logits)
             return loss_fn(batch, logprobs, entropy)
 
-        seq = micro_batches[0]["tokens"].shape[1]
+        seq, size = micro_batches[0]["tokens"].shape
         if not as_served:
-            return train_step(self.model, self.optimizer, micro_batches, self._forward, loss, seq)
+            return train_step(self.model, self.optimizer, micro_batches, self._forward, loss, seq, size)
         frozen = nullcontext() if served_scales is None else self.frozen_fp8(served_scales, observe=True)
         with frozen:
-            return train_step(self.model, self.optimizer, micro_batches, self._forward_as_served, loss, seq)
+            return train_step(self.model, self.optimizer, micro_batches, self._forward_as_served, loss, seq, size)
 
     def fp8_metrics(self) -> dict[str, float]:
         """This rank's FP8 quantization statistics of its last forward/backward, for tensorboard:
