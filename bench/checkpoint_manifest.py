@@ -46,7 +46,7 @@ def _trained_model(layers: int, hidden: int):
     tokens = torch.randint(0, VOCAB, (2, SEQ + 1))
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
              "position_ids": torch.arange(SEQ).expand(2, SEQ).contiguous()}
-    train_step(model, optimizer, [batch], _forward, _loss, SEQ)
+    train_step(model, optimizer, [batch], _forward, _loss, SEQ, micro_batch_size=2)
     return model, optimizer
 
 

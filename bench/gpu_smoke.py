@@ -118,7 +118,7 @@ def megatron_step(hf: dict, batch: tuple[int, int], device: torch.device, steps:
         for _ in range(steps):
             _sync(device)
             start = time.perf_counter()
-            result = train_step(model, optimizer, [data], _lm_forward, _mean_loss, seq)
+            result = train_step(model, optimizer, [data], _lm_forward, _mean_loss, seq, micro)
             _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(result.metrics["loss"])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import os
 import sys
 import tempfile
@@ -140,11 +141,10 @@ class PlainGRPO:
 def _project_step(ctx, prompts, answers, step: int, profiler) -> dict[str, float]:
     from megatron_fp8rl.trainer.rl_step import rl_step
 
-    ctx.engine.start_step(step)
     start = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    metrics = rl_step(ctx, prompts, answers, lambda: (prompts, answers), step)
+    metrics = rl_step(ctx, itertools.repeat((prompts, answers)), step)
     if profiler is not None:
         profiler.disable()
     total = time.perf_counter() - start

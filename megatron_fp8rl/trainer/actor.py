@@ -1,11 +1,12 @@
 """The Megatron actor: the policy being trained, at the run's TP/PP/DP layout.
 
 Owns: building the GPTModel from an HF checkpoint (converted once to torch_dist), per-token
-logprobs/entropy of response tokens (vocab-parallel), an optimizer step on a policy loss,
-streaming its weights out under Hugging Face names (for rollout weight sync and the final export),
-and, for aligned FP8 rollouts, the FP8 scales it shares with the rollout engine (`aligned_scales`)
-and the frozen-scale mode its old-logprob recompute runs in (`frozen_fp8`).
-Must not import: cli.
+logprobs/entropy of response tokens (vocab-parallel), the old-logprob recompute, the policy update
+of one RL step (`update`: the mini-batch and data-parallel loop, the run's `Objective`, Calibrated
+Clipping's shadow forwards, one `optimizer.step()` per mini-batch), streaming its weights out under
+Hugging Face names (for rollout weight sync and the final export) and, for aligned FP8 rollouts,
+the FP8 scales it shares with the rollout engine and remembers as served (`weights_for_rollout`).
+Must not import: cli, trainer.loop, trainer.rl_step.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,11 +37,15 @@ from megatron_fp8rl.convert.megatron_to_hf import (
 )
 from megatron_fp8rl.models.hf import build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
-from megatron_fp8rl.trainer.batch import prompt_lengths
-from megatron_fp8rl.trainer.config import ModelConfig
+from megatron_fp8rl.rl.noise import NoiseFloor
+from megatron_fp8rl.trainer.batch import RolloutBatch, micro_batches, prompt_lengths, split_mini_batches
+from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
+from megatron_fp8rl.trainer.config import ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.megatron_step import (
-    OptimConfig, StepResult, build_optimizer, forward_only, train_step, wrap_ddp,
+    OptimConfig, StepResult, build_optimizer, forward_backward, forward_only, step_result, wrap_ddp,
 )
+from megatron_fp8rl.trainer.objective import MiniBatchTerms, Objective
+from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors, served_scales, shares_scales
 
 
 def convert_initial_checkpoint(hf_path: Path, output: Path) -> Path:
@@ -73,8 +79,17 @@ class MegatronActor:
     """The trained policy: a GPTModel chunk in Megatron DDP with its distributed optimizer, in
     `model_cfg.dtype` (bfloat16: Megatron mixed precision, trainer.megatron_step.wrap_ddp)."""
 
-    def __init__(self, init_dir: Path, model_cfg: ModelConfig, optim: OptimConfig, fp8_gemm: str = "auto"):
-        """`fp8_gemm`: our FP8 linears' GEMM (fp8.linear.GEMMS); RunConfig.trainer_fp8_gemm."""
+    def __init__(self, init_dir: Path, model_cfg: ModelConfig, optim: OptimConfig, train_cfg: TrainConfig,
+                 objective: Objective, fp8_gemm: str = "auto", rollout_fp8: str = "none",
+                 served_checkpoint: Path | None = None):
+        """`train_cfg`: its mini_batches and micro_batch_size; `objective`: the run's, built once;
+        `fp8_gemm`: our FP8 linears' GEMM (fp8.linear.GEMMS; RunConfig.trainer_fp8_gemm);
+        `rollout_fp8`: rollout.fp8; `served_checkpoint`: the FP8 checkpoint the rollout engine
+        starts from (trainer/rollout_fp8.py), whose scales it serves until the first weight sync;
+        needed when the two share scales (rollout_fp8.shares_scales)."""
+        if shares_scales(rollout_fp8, model_cfg.fp8) and served_checkpoint is None:
+            raise ValueError(f"rollout.fp8={rollout_fp8} with model.fp8={model_cfg.fp8} shares FP8 scales: "
+                             "the actor needs the served FP8 checkpoint (served_checkpoint)")
         self.hf_config = json.loads((Path(model_cfg.hf_path) / "config.json").read_text())
         check_parallel_layout(self.hf_config, parallel_state.get_tensor_model_parallel_world_size(),
                               parallel_state.get_pipeline_model_parallel_world_size())
@@ -83,29 +98,33 @@ class MegatronActor:
         _load_weights_only(model, init_dir)
         self.model = wrap_ddp(model, distributed_optimizer=True)
         self.optimizer = build_optimizer(self.model, optim)
-        self.rollout_scales: dict | None = None
-        """Aligned FP8 rollouts: the scales the engine serves now (set by each weight sync)."""
+        self.model_cfg, self.train_cfg, self.objective = model_cfg, train_cfg, objective
+        self.rollout_fp8, self.served_checkpoint = rollout_fp8, served_checkpoint
+        self.calibrator = ClipCalibrator(objective.algo) if objective.algo.clip_calibration == "shadow" else None
+        """Calibrated Clipping's state (algorithm.clip_calibration=shadow); None otherwise."""
+        self._served: dict | None = None
+        """Shared-scale aligned FP8 rollouts: the scales the engine serves now (`_served_scales`)."""
 
     @staticmethod
-    def _forward(chunk: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return chunk(batch["tokens"], batch["position_ids"], None)
+    def _forward(chunk: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        return chunk(batch.tokens, batch.position_ids, None)
 
     @staticmethod
-    def token_logprobs(batch: dict[str, torch.Tensor], logits: torch.Tensor):
+    def token_logprobs(batch: RolloutBatch, logits: torch.Tensor):
         """(logprobs, entropy) [B, S] of each position's target token, over the TP-split vocab."""
         group = parallel_state.get_tensor_model_parallel_group()
-        return vocab_parallel_logprobs_and_entropy(logits, batch["target_ids"], group)
+        return vocab_parallel_logprobs_and_entropy(logits, batch.target_ids, group)
 
     @staticmethod
-    def _forward_as_served(chunk: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward_as_served(chunk: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """The logprob forward: attention call for call as SGLang's torch_native backend served
         each sequence (prompt prefill, then one row at a time), so that with the exact FP8 GEMM
         the recompute has the rollout's bits (compat/megatron_attention.py; TE attention, the
         GPU tier, ignores the layout)."""
-        with sglang_call_layout(prompt_lengths(batch["response_mask"])):
-            return chunk(batch["tokens"], batch["position_ids"], None)
+        with sglang_call_layout(prompt_lengths(batch.response_mask)):
+            return chunk(batch.tokens, batch.position_ids, None)
 
-    def logprobs(self, micro_batches: list[dict[str, torch.Tensor]], as_served: bool = True) -> list[torch.Tensor]:
+    def logprobs(self, micro: list[RolloutBatch], as_served: bool = True) -> list[torch.Tensor]:
         """Per micro-batch [B, S] logprobs on the last pipeline stage ([] on others), computed
         as the rollout engine computed them (`_forward_as_served`; as_served=False: one batched
         attention call, as the training forward)."""
@@ -114,39 +133,113 @@ class MegatronActor:
             logprobs, _ = self.token_logprobs(batch, logits)
             return torch.zeros((), device=logits.device), {"logprobs": logprobs}
 
-        seq = micro_batches[0]["tokens"].shape[1]
         forward = self._forward_as_served if as_served else self._forward
-        return [out["logprobs"] for out in forward_only(self.model, micro_batches, forward, collect, seq)]
+        out = forward_only(self.model, micro, forward, collect, micro[0].tokens.shape[1], micro[0].size)
+        return [o["logprobs"] for o in out]
 
-    def shadow_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def shadow_logprobs(self, micro: list[RolloutBatch]) -> list[torch.Tensor]:
         """`logprobs` of the high-precision shadow: the same weights with every FP8 linear computed
         in the trainer's dtype, no FP8 scaling state touched (Calibrated Clipping)."""
         with high_precision_fp8_linears(self.model):
-            return self.logprobs(micro_batches, as_served=False)
+            return self.logprobs(micro, as_served=False)
 
-    def train(self, micro_batches: list[dict[str, torch.Tensor]],
-              loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]],
-              as_served: bool = False, served_scales: dict | None = None) -> StepResult:
-        """One optimizer step; `loss_fn(batch, logprobs, entropy)` returns (loss, metrics).
+    def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """log π_old [B, S] of every position, recomputed before the update (real values on the
+        last pipeline stage, zeros elsewhere, where the loss is not computed). Aligned FP8
+        rollouts: in the rollout's arithmetic (SGLang's attention calls and, for a shared-scale
+        recipe, the served scales), bit-identical to it through every decoder layer. Otherwise
+        those bits are out of reach and the recompute runs as the training forward does (one
+        batched attention call a layer instead of one a row, ~S times fewer calls); in float32 the
+        first mini-batch's PPO ratio is then exactly 1."""
+        micro = micro_batches(batch, self.train_cfg.micro_batch_size)
+        scales = self._served_scales()
+        with nullcontext() if scales is None else self.frozen_fp8(scales):
+            per_micro = self.logprobs(micro, as_served=self.rollout_fp8 == "aligned")
+        return (torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs))[:batch.size]
 
-        `as_served` (aligned FP8 rollouts, on an update's first mini-batch, where θ = θ_old): the
-        forward computes exactly what the rollout engine and the recompute computed, so the PPO
-        ratio is exactly 1 there: SGLang's attention calls (`_forward_as_served`, whose gradient
-        is the batched call's), the batch-invariant GEMM the actor was built with and, for a
-        shared-scale recipe, `served_scales`, the FP8 scales the engine served (the live
-        quantizers still observe every tensor and advance, `frozen_fp8(observe=True)`). The
-        backward is the usual one. Otherwise: the live scales and one batched attention call."""
+    def update(self, batch: RolloutBatch, old_logprobs: torch.Tensor | None, step: int) -> dict[str, float]:
+        """RL step `step`'s policy update: one optimizer step per mini-batch on this rank's DP
+        slice; metrics averaged over the steps. `old_logprobs` [B, S] (from `old_logprobs()`), or None
+        when no recompute ran (bypass, or one mini-batch: trainer.rl_step._recompute_needed); the
+        first mini-batch then measures the noise floor from its own forward (objective.py).
+        Aligned FP8 rollouts: the first mini-batch (θ = θ_old) trains on a forward in the
+        rollout's own arithmetic (`_served_fp8`), so its PPO ratio is exactly 1.
+        Calibrated Clipping: the bounds in force clip every mini-batch; a calibrating step also
+        runs the shadow forwards on mini-batch m* and recalibrates (trainer/clip_calibration.py)."""
+        dp_size, calibrator = parallel_state.get_data_parallel_world_size(), self.calibrator
+        noise = None if old_logprobs is None else self.objective.noise_floor(batch, old_logprobs)
+        minis = split_mini_batches(batch, old_logprobs, self.train_cfg.mini_batches,
+                                   dp_size * self.train_cfg.micro_batch_size)
+        target = calibrator.batch_index(len(minis)) if calibrator is not None and calibrator.due(step) else None
+        if target is not None:
+            shadow_old = self.shadow_logprobs(self._local_micro(minis[target]))
+        results, captured = [], []
+        for index, mini in enumerate(minis):
+            micro = self._local_micro(mini)
+            if index == target:
+                shadow = shadow_old if index == 0 else self.shadow_logprobs(micro)
+            terms = MiniBatchTerms(self.objective.denominator(mini, self.train_cfg.micro_batch_size, dp_size),
+                                   noise, at_old_policy=index == 0, clip_bounds=calibrator and calibrator.calibrated,
+                                   capture=captured if index == target else None)
+            as_served = index == 0 and self.rollout_fp8 == "aligned"
+            with self._served_fp8() if as_served else nullcontext():
+                losses = forward_backward(self.model, self.optimizer, micro,
+                                          self._forward_as_served if as_served else self._forward,
+                                          partial(self._policy_loss, terms), micro[0].tokens.shape[1], micro[0].size)
+                results.append(step_result(losses, self.optimizer.step()))
+            if noise is None:
+                noise = NoiseFloor.from_metrics(results[0].metrics, self.objective.levels)
+        metrics = _mean_metrics(results)
+        if target is not None:
+            metrics.update(calibrator.update(*_stacked(captured, shadow, shadow_old)))
+        if calibrator is not None:
+            metrics.update(calibrator.metrics())
+        return metrics
 
-        def loss(batch, logits):
-            logprobs, entropy = self.token_logprobs(batch, logits)
-            return loss_fn(batch, logprobs, entropy)
+    def _policy_loss(self, terms: MiniBatchTerms, batch: RolloutBatch, logits: torch.Tensor):
+        """The schedule's loss of one micro-batch: the objective's, on the logits' token logprobs."""
+        logprobs, entropy = self.token_logprobs(batch, logits)
+        return self.objective.loss(terms, batch, logprobs, entropy)
 
-        seq = micro_batches[0]["tokens"].shape[1]
-        if not as_served:
-            return train_step(self.model, self.optimizer, micro_batches, self._forward, loss, seq)
-        frozen = nullcontext() if served_scales is None else self.frozen_fp8(served_scales, observe=True)
-        with frozen:
-            return train_step(self.model, self.optimizer, micro_batches, self._forward_as_served, loss, seq)
+    def _local_micro(self, mini: RolloutBatch) -> list[RolloutBatch]:
+        """This rank's DP slice of one (padded) mini-batch as micro-batches."""
+        rows = torch.arange(mini.size).chunk(parallel_state.get_data_parallel_world_size())
+        return micro_batches(mini.select(rows[parallel_state.get_data_parallel_rank()]),
+                             self.train_cfg.micro_batch_size)
+
+    def _served_fp8(self):
+        """The update's first forward in the rollout's arithmetic: SGLang's attention calls
+        (`_forward_as_served`, whose gradient is the batched call's), the batch-invariant GEMM the
+        actor was built with and, for a shared-scale recipe, the FP8 scales the engine served (the
+        live quantizers still observe every tensor and advance, `frozen_fp8(observe=True)`). The
+        backward is the usual one."""
+        scales = self._served_scales()
+        return nullcontext() if scales is None else self.frozen_fp8(scales, observe=True)
+
+    def _served_scales(self) -> dict | None:
+        """Aligned FP8 rollouts of a shared-scale recipe: the FP8 scales the rollout engine serves
+        now (from the last `weights_for_rollout`, or before the first one from the served
+        checkpoint); else None (a row-group recipe's scales are recomputed, not shared)."""
+        if not shares_scales(self.rollout_fp8, self.model_cfg.fp8):
+            return None
+        if self._served is None:
+            self._served = served_scales(self.served_checkpoint)
+        return self._served
+
+    def weights_for_rollout(self, sync_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """All ranks (collective): the current weights as the rollout engine takes them, quantized
+        for rollout.fp8 (rollout_fp8.rollout_tensors), as a lazy stream that only global rank 0
+        reads. Aligned mode with shared scales: the trainer's FP8 scales go with them and become
+        the served ones of the next recompute and first mini-batch. At TP = PP = 1 straight from
+        the model; otherwise through a torch_dist snapshot in `sync_dir` (any TP/PP), which costs
+        a checkpoint written (fsync'd) and read back on every sync."""
+        in_memory = self.model_cfg.tensor_parallel == 1 and self.model_cfg.pipeline_parallel == 1
+        directory = None if in_memory else self.save_weights(sync_dir)
+        shared = shares_scales(self.rollout_fp8, self.model_cfg.fp8)
+        self._served = self.aligned_scales() if shared else None
+        weights = self.hf_tensors_in_memory() if in_memory else self.hf_tensors(directory)
+        return rollout_tensors(weights, int(self.hf_config["num_hidden_layers"]), self.rollout_fp8, self._served,
+                               self.model_cfg.fp8)
 
     def fp8_metrics(self) -> dict[str, float]:
         """This rank's FP8 quantization statistics of its last forward/backward, for tensorboard:
@@ -223,3 +316,25 @@ class MegatronActor:
         """Context manager: this rank's FP8 linears quantize with `scales`; observe=False changes
         no state (logprob passes), observe=True lets the live quantizers advance (training)."""
         return frozen_fp8_scales(self.model, scales, observe)
+
+
+def _stacked(captured: list, shadow: list[torch.Tensor], shadow_old: list[torch.Tensor]):
+    """(fp8, fp8_old, shadow, shadow_old, advantages, mask) [b, S] of m*'s rows on this rank; empty
+    [0, S] tensors where the rank computed no loss (not the last pipeline stage)."""
+    if not captured:
+        empty = torch.zeros(0, 1)
+        return (empty,) * 6
+    fp8, fp8_old, advantages, mask = (torch.cat(parts) for parts in zip(*captured))
+    return fp8, fp8_old, torch.cat(shadow), torch.cat(shadow_old), advantages, mask
+
+
+def _mean_metrics(results: list[StepResult]) -> dict[str, float]:
+    """Each metric averaged over the mini-batches that report it (bypass: π_old-dependent ones,
+    such as mismatch and clip attribution, exist for the first mini-batch only)."""
+    names = dict.fromkeys(name for r in results for name in r.metrics)
+    metrics = {}
+    for name in names:
+        values = [r.metrics[name] for r in results if name in r.metrics]
+        metrics[name if name.startswith("noise/") else f"train/{name}"] = sum(values) / len(values)
+    metrics["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
+    return metrics

@@ -1,12 +1,13 @@
 """Rollout samples -> the padded tensors the Megatron actor trains on.
 
 Owns: `RolloutBatch` (all tensors [B, S] in *prediction* coordinates: position t holds what the
-logits at t say about token t+1) and splitting it into equal-shape micro-batches.
+logits at t say about token t+1), the typed batch of the whole step, of a mini-batch and of a
+micro-batch alike, and splitting it into mini-batches and equal-shape micro-batches.
 Must not import: cli.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -29,16 +30,19 @@ class RolloutBatch:
     """[B, S] float: the rollout engine's logprob of each response token (0 elsewhere)."""
     advantages: torch.Tensor
     """[B, S] float: the sequence's advantage on its response positions."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, S] float: log π_old as the trainer recomputed it before the update (0 on padding rows);
+    None when no recompute ran (trainer.rl_step._recompute_needed)."""
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
 
     def select(self, rows: torch.Tensor | slice) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        return RolloutBatch(**{name: None if tensor is None else tensor[rows] for name, tensor in self.named_tensors()})
 
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def named_tensors(self) -> list[tuple[str, torch.Tensor | None]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
 
 def build_batch(samples: list[RolloutSample], advantages: torch.Tensor, length: int) -> RolloutBatch:
@@ -81,35 +85,30 @@ def pad_rows(batch: RolloutBatch, multiple: int) -> RolloutBatch:
     if not missing:
         return batch
     padded = {}
-    for name, tensor in batch.as_dict().items():
+    for name, tensor in batch.named_tensors():
+        if tensor is None:
+            padded[name] = None
+            continue
         filler = tensor[:1].expand(missing, *tensor.shape[1:]).clone()
-        if name in ("response_mask", "rollout_logprobs", "advantages"):
+        if name in ("response_mask", "rollout_logprobs", "advantages", "old_logprobs"):
             filler.zero_()
         padded[name] = torch.cat([tensor, filler])
     return RolloutBatch(**padded)
 
 
-def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
     """Equal-shape micro-batches (Megatron's pipeline schedule needs one shape)."""
     batch = pad_rows(batch, micro_batch_size)
-    return [batch.select(slice(i, i + micro_batch_size)).as_dict()
-            for i in range(0, batch.size, micro_batch_size)]
+    return [batch.select(slice(i, i + micro_batch_size)) for i in range(0, batch.size, micro_batch_size)]
 
 
 def split_mini_batches(batch: RolloutBatch, old_logprobs: torch.Tensor | None, mini_batches: int,
-                       multiple: int) -> list[tuple[RolloutBatch, torch.Tensor | None]]:
+                       multiple: int) -> list[RolloutBatch]:
     """The batch's real rows in up to `mini_batches` contiguous chunks (fewer when there are fewer
     rows), each padded with all-masked rows to a multiple of `multiple` (DP size x micro-batch
-    size), with the matching rows of `old_logprobs` [B, S] (zeros on padding) when given.
+    size), carrying the matching rows of `old_logprobs` [B, S] (zeros on padding) when given.
     Padding each chunk, not the whole batch, keeps padding out of whole mini-batches: with 8 rows,
     2 mini-batches and micro-batches of 8, padding the batch to 16 first left the second
     optimizer step nothing but padding."""
-    minis = []
-    for rows in torch.arange(batch.size).chunk(mini_batches):
-        mini = pad_rows(batch.select(rows), multiple)
-        old = None
-        if old_logprobs is not None:
-            old = torch.zeros(mini.size, old_logprobs.shape[1], dtype=old_logprobs.dtype)
-            old[:rows.numel()] = old_logprobs[rows]
-        minis.append((mini, old))
-    return minis
+    batch = replace(batch, old_logprobs=old_logprobs)
+    return [pad_rows(batch.select(rows), multiple) for rows in torch.arange(batch.size).chunk(mini_batches)]

@@ -87,8 +87,8 @@ def run_demo(cfg: DemoConfig, is_logging_rank: bool) -> dict[str, float]:
     bar = tqdm(range(cfg.steps), desc="demo", disable=not is_logging_rank)
     for step in bar:
         step_start = time.perf_counter()
-        tokens = progression_batch(cfg, generator)
-        result = train_step(ddp, optimizer, _micro_batches(tokens, cfg), _forward, _loss, cfg.seq_length)
+        micro = _micro_batches(progression_batch(cfg, generator), cfg)
+        result = train_step(ddp, optimizer, micro, _forward, _loss, cfg.seq_length, len(micro[0]["tokens"]))
         history.append(result.metrics["loss_after_stride"])
         bar.set_postfix(loss=f"{result.metrics['loss']:.3f}", gnorm=f"{result.grad_norm:.2f}")
         if writer is not None:

@@ -1,13 +1,11 @@
 """`megatron-fp8rl train`: the run from an HF checkpoint to an RL-trained HF checkpoint.
 
-Owns: wiring (config -> data, actor, rollout engine), the step loop with greedy evaluation,
-tensorboard logging, checkpoints/resume, stopping when told (trainer/stop.py), and the final HF
-export. The step itself is
-rl_step.rl_step. Must not import: cli.
+Owns: wiring (config -> data, actor, rollout engine), the step loop (`train`) with greedy
+evaluation, tensorboard logging, checkpoints/resume, stopping when told (trainer/stop.py), and the
+final HF export. The step itself is rl_step.rl_step, fed by `prompt_batches`. Must not import: cli.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -30,10 +28,11 @@ from megatron_fp8rl.rl.metrics import paired_eval_change
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
-from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
-from megatron_fp8rl.trainer.rl_step import StepContext, rl_step, sync_weights
+from megatron_fp8rl.trainer.objective import Objective
+from megatron_fp8rl.trainer.rl_step import Prompts, StepContext, rl_step, sync_weights
+from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT
 from megatron_fp8rl.trainer.run_dir import check_run_dir, claim_run_dir
 from megatron_fp8rl.trainer.stop import StopRequested, StopSignals
 
@@ -68,7 +67,7 @@ def _start_engine(cfg: RunConfig):
 
     from megatron_fp8rl.rollout.sglang_common import SGLangConfig
     from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
-    from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT, prepare_rollout_checkpoint
+    from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint
 
     model_path = cfg.model.hf_path
     if cfg.rollout.fp8 != "none":
@@ -102,38 +101,6 @@ def _start_server(cfg: RunConfig):
                         update_dir=run_dir / "weight_updates", log_path=run_dir / "sglang_server.log")
 
 
-def _make_engine(cfg: RunConfig) -> "SeededRollouts":
-    """Rank 0's rollout engine for rollout.mode, with per-step sampling seeds."""
-    engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
-    return SeededRollouts(engine, cfg.train.seed)
-
-
-class SeededRollouts:
-    """A rollout engine whose sampled calls carry seeds fixed by (train.seed, step, call index in
-    the step), so with SGLang's deterministic inference a resumed run draws exactly the rollouts
-    an uninterrupted run drew: the seeds depend on nothing a crash loses. Without deterministic
-    inference SGLang ignores the seeds. Everything else is the wrapped engine's."""
-
-    SAMPLES_PER_CALL = 1 << 20
-    """Seed spacing between calls (SGLang gives sample j of a call seed + j)."""
-
-    def __init__(self, engine, seed: int):
-        self.engine, self.seed, self.step, self.calls = engine, seed, 0, 0
-
-    def start_step(self, step: int) -> None:
-        self.step, self.calls = step, 0
-
-    def generate(self, prompt_token_ids, sampling: SamplingParams, n: int = 1):
-        if sampling.temperature > 0 and sampling.seed is None:
-            base = ((self.seed * 1_000_003 + self.step) * 64 + self.calls) * self.SAMPLES_PER_CALL
-            sampling = dataclasses.replace(sampling, seed=base % (1 << 62))
-            self.calls += 1
-        return self.engine.generate(prompt_token_ids, sampling, n)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-
 def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> list[bool]:
     """Greedy correctness per held-out prompt (rank 0 generates; the result is broadcast)."""
     correct: list = [None]
@@ -157,7 +124,48 @@ def eval_metrics(correct: list[bool], start: list[bool] | None) -> dict[str, flo
 
 
 def train(cfg: RunConfig, rank: int) -> dict[str, float]:
-    """Run the configured RL job on this process (all ranks call it); returns the summary."""
+    """Run the configured RL job on this process (all ranks call it): one `rl_step` per step, with
+    greedy evaluation, tensorboard logging and checkpoints; returns the summary."""
+    ctx, tokenizer, train_records, eval_prompts, eval_answers = _prepare(cfg, rank)
+    try:
+        with StopSignals() as stops:  # after the engine start: SGLang's handler ignores SIGTERM
+            sampler = PromptSampler(train_records, cfg.data.prompts_per_step, seed=cfg.train.seed)
+            start, resumed = _resume(ctx, sampler)
+            prompts = prompt_batches(sampler, tokenizer)
+            writer = SummaryWriter(str(Path(cfg.run_dir) / "tb")) if rank == 0 else None
+            summary = dict(resumed)  # a resumed run's summary continues the interrupted one's
+            eval_start = summary.pop("eval_start", None)  # per-problem correctness of the first eval
+            if cfg.train.eval_every and not start:
+                eval_start = evaluate(ctx, eval_prompts, eval_answers)
+                summary["eval/accuracy_start"] = eval_metrics(eval_start, None)["eval/accuracy"]
+                _log(writer, {"eval/accuracy": summary["eval/accuracy_start"]}, start)
+            begin = time.perf_counter()
+            bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,
+                       total=cfg.train.steps)
+            for step in bar:
+                metrics = rl_step(ctx, prompts, step)
+                if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                    metrics.update(eval_metrics(evaluate(ctx, eval_prompts, eval_answers), eval_start))
+                _log(writer, metrics, step)
+                bar.set_postfix_str(bar_text(metrics))
+                summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
+                stop = stops.agreed()
+                if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.steps or stop:
+                    state = {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start},
+                             **_calibrator_state(ctx)}
+                    saved = save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer, state)
+                if stop is not None:
+                    raise StopRequested(stop, step, saved)
+            summary["seconds"] = time.perf_counter() - begin
+            return _finish(ctx, rank, writer, summary)
+    finally:
+        if ctx.engine is not None:
+            ctx.engine.shutdown()
+
+
+def _prepare(cfg: RunConfig, rank: int):
+    """Checks, tokenizer, prompt records, the plan on the console, then `start_run`: (context,
+    tokenizer, training records, held-out prompt token ids, their answers)."""
     from transformers import AutoTokenizer
 
     check_inputs(cfg)
@@ -167,12 +175,26 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
     if rank == 0:
         print("\n".join(plan_lines(cfg, len(train_records), len(eval_records))), flush=True)
     ctx = start_run(cfg, rank, tokenizer)
-    try:
-        with StopSignals() as stops:  # after the engine start: SGLang's handler ignores SIGTERM
-            return _loop(ctx, tokenizer, train_records, eval_records, rank, stops)
-    finally:
-        if ctx.engine is not None:
-            ctx.engine.shutdown()
+    return (ctx, tokenizer, train_records, [prompt_token_ids(r, tokenizer) for r in eval_records],
+            [r.answer for r in eval_records])
+
+
+def prompt_batches(sampler: PromptSampler, tokenizer) -> Prompts:
+    """The sampler's batches as (prompt token ids, answers), drawn one `next` at a time (rl_step
+    draws one per sampling round), so the sampler's state is the data position a checkpoint keeps."""
+    while True:
+        batch = sampler.next_batch()
+        yield [prompt_token_ids(r, tokenizer) for r in batch], [r.answer for r in batch]
+
+
+def _finish(ctx: StepContext, rank: int, writer, summary: dict) -> dict:
+    """After the last step: the HF export, then (rank 0) the tensorboard writer closed and
+    summary.json written; returns the summary."""
+    summary["hf_output"] = _export_hf(ctx, rank)
+    if writer is not None:
+        writer.close()
+        (Path(ctx.cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def plan_lines(cfg: RunConfig, train_size: int, eval_size: int) -> list[str]:
@@ -203,62 +225,16 @@ def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
         save_config(cfg, run_dir / "config.yaml")
         convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     dist.barrier()
-    actor = MegatronActor(run_dir / "init_megatron", cfg.model,
-                          OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                      clip_grad=cfg.train.clip_grad), cfg.trainer_fp8_gemm)
-    return StepContext(cfg=cfg, actor=actor, engine=_make_engine(cfg) if rank == 0 else None,
-                       reward_fn=load_reward_fn(cfg.data.reward),
+    optim = OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, clip_grad=cfg.train.clip_grad)
+    actor = MegatronActor(run_dir / "init_megatron", cfg.model, optim, cfg.train,
+                          Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
+                          rollout_fp8=cfg.rollout.fp8, served_checkpoint=run_dir / ROLLOUT_CHECKPOINT)
+    engine = None
+    if rank == 0:
+        engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
+    return StepContext(cfg=cfg, actor=actor, engine=engine, reward_fn=load_reward_fn(cfg.data.reward),
                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                       sync_dir=run_dir / "sync",
-                       clip_calibrator=(ClipCalibrator(cfg.algorithm)
-                                        if cfg.algorithm.clip_calibration == "shadow" else None))
-
-
-def _loop(ctx: StepContext, tokenizer, train_records, eval_records, rank: int,
-          stops: StopSignals) -> dict[str, float]:
-    cfg = ctx.cfg
-    sampler = PromptSampler(train_records, cfg.data.prompts_per_step, seed=cfg.train.seed)
-    start, resumed = _resume(ctx, sampler)
-
-    def next_prompts():
-        batch = sampler.next_batch()
-        return [prompt_token_ids(r, tokenizer) for r in batch], [r.answer for r in batch]
-
-    eval_prompts = [prompt_token_ids(r, tokenizer) for r in eval_records]
-    eval_answers = [r.answer for r in eval_records]
-    writer = SummaryWriter(str(Path(cfg.run_dir) / "tb")) if rank == 0 else None
-    summary = dict(resumed)  # a resumed run's summary continues the interrupted one's
-    eval_start = summary.pop("eval_start", None)  # per-problem correctness of the first eval
-    if cfg.train.eval_every and not start:
-        eval_start = evaluate(ctx, eval_prompts, eval_answers)
-        summary["eval/accuracy_start"] = eval_metrics(eval_start, None)["eval/accuracy"]
-        _log(writer, {"eval/accuracy": summary["eval/accuracy_start"]}, start)
-    begin = time.perf_counter()
-    bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,
-               total=cfg.train.steps)
-    for step in bar:
-        if ctx.engine is not None:
-            ctx.engine.start_step(step)
-        prompts, answers = next_prompts()
-        metrics = rl_step(ctx, prompts, answers, next_prompts, step)
-        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            metrics.update(eval_metrics(evaluate(ctx, eval_prompts, eval_answers), eval_start))
-        _log(writer, metrics, step)
-        bar.set_postfix_str(bar_text(metrics))
-        summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
-        stop = stops.agreed()
-        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.steps or stop:
-            saved = save_checkpoint(cfg.checkpoint, step, ctx.actor.model, ctx.actor.optimizer,
-                                    {"sampler": sampler.state_dict(), "summary": {**summary, "eval_start": eval_start},
-                                     **_calibrator_state(ctx)})
-        if stop is not None:
-            raise StopRequested(stop, step, saved)
-    summary["seconds"] = time.perf_counter() - begin
-    summary["hf_output"] = _export_hf(ctx, rank)
-    if writer is not None:
-        writer.close()
-        (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+                       sync_dir=run_dir / "sync")
 
 
 BAR_PHASES = ("rollout", "recompute", "train", "sync")
@@ -278,7 +254,7 @@ def _resume(ctx: StepContext, sampler: PromptSampler) -> tuple[int, dict[str, fl
     """Continue from the newest intact checkpoint, if any (newer damaged ones are skipped, each
     named with its problem on stderr; all damaged is an error): weights, optimizer, RNG, data
     position; the rollout engine gets the restored weights as version `step` (what the
-    uninterrupted run's engine held). Rollout sampling needs no saved state (SeededRollouts).
+    uninterrupted run's engine held). Rollout sampling needs no saved state (rl_step.rollout_seed).
     Returns the step to continue after and the summary so far."""
     choice: list = [(None, None)]
     if dist.get_rank() == 0:  # one rank reads and hashes the files; the others follow its choice
@@ -297,15 +273,16 @@ def _resume(ctx: StepContext, sampler: PromptSampler) -> tuple[int, dict[str, fl
         return 0, {}
     state = load_checkpoint(path, ctx.actor.model, ctx.actor.optimizer, verify=False)
     sampler.load_state_dict(state["sampler"])
-    if ctx.clip_calibrator is not None and "clip_calibration" in state:
-        ctx.clip_calibrator.load_state_dict(state["clip_calibration"])
+    if ctx.actor.calibrator is not None and "clip_calibration" in state:
+        ctx.actor.calibrator.load_state_dict(state["clip_calibration"])
     sync_weights(ctx, version=state["step"])
     return int(state["step"]), dict(state.get("summary", {}))
 
 
 def _calibrator_state(ctx: StepContext) -> dict:
     """Calibrated Clipping's bounds for a checkpoint (nothing when it is off)."""
-    return {} if ctx.clip_calibrator is None else {"clip_calibration": ctx.clip_calibrator.state_dict()}
+    calibrator = ctx.actor.calibrator
+    return {} if calibrator is None else {"clip_calibration": calibrator.state_dict()}
 
 
 def _log(writer, metrics: dict[str, float | str], step: int) -> None:

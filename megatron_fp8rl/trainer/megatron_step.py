@@ -6,7 +6,7 @@ Must not import: cli. The RL loss is passed in as a function; this module knows 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -21,9 +21,11 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_fp8rl.compat.megatron_optim import fuse_torch_adam
 
-# A micro-batch is a dict of tensors; the loss function maps (micro-batch, model output) to
-# (scalar loss, metrics dict). Model output is [batch, seq] per-token losses or logits.
-MicroBatch = dict[str, torch.Tensor]
+# A micro-batch is whatever the caller's forward and loss functions read (a dict of tensors, or
+# the RL step's typed trainer.batch.RolloutBatch); this module only hands it on. The loss function
+# maps (micro-batch, model output) to (scalar loss, metrics dict). Model output is [batch, seq]
+# per-token losses or logits.
+MicroBatch = Any
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 ForwardFn = Callable[[torch.nn.Module, MicroBatch], torch.Tensor]
 
@@ -102,6 +104,7 @@ def train_step(
     forward_fn: ForwardFn,
     loss_fn: LossFn,
     seq_length: int,
+    micro_batch_size: int,
 ) -> StepResult:
     """Forward/backward over `micro_batches` through Megatron's schedule, then one optimizer step.
 
@@ -109,10 +112,31 @@ def train_step(
     gradients over data-parallel ranks. Metrics come back on every rank (broadcast from the last
     pipeline stage and averaged over DP).
     """
+    losses = forward_backward(model, optimizer, micro_batches, forward_fn, loss_fn, seq_length, micro_batch_size)
+    return step_result(losses, optimizer.step())
+
+
+def forward_backward(
+    model: DistributedDataParallel,
+    optimizer: MegatronOptimizer,
+    micro_batches: list[MicroBatch],
+    forward_fn: ForwardFn,
+    loss_fn: LossFn,
+    seq_length: int,
+    micro_batch_size: int,
+) -> list[dict[str, torch.Tensor]]:
+    """Zeroed gradients, then forward/backward over `micro_batches` through Megatron's schedule:
+    what `train_step` does before `optimizer.step()`, for a caller that steps the optimizer itself
+    (trainer.actor.MegatronActor.update). Returns the per-micro-batch metrics (`step_result`)."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = _run_schedule(model, micro_batches, forward_fn, loss_fn, seq_length, forward_only=False)
-    update_successful, grad_norm, _ = optimizer.step()
+    return _run_schedule(model, micro_batches, forward_fn, loss_fn, seq_length, micro_batch_size,
+                         forward_only=False)
+
+
+def step_result(losses: list[dict[str, torch.Tensor]], optimizer_step: tuple) -> StepResult:
+    """The StepResult of `forward_backward`'s metrics and what `optimizer.step()` returned."""
+    update_successful, grad_norm, _ = optimizer_step
     return StepResult(
         metrics=_reduce_metrics(losses),
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -126,6 +150,7 @@ def forward_only(
     forward_fn: ForwardFn,
     collect_fn: LossFn,
     seq_length: int,
+    micro_batch_size: int,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward over `micro_batches` without gradients through Megatron's schedule.
 
@@ -133,11 +158,12 @@ def forward_only(
     pipeline stage; an empty list on other stages. All micro-batches must share one shape.
     """
     with torch.no_grad():
-        return _run_schedule(model, micro_batches, forward_fn, collect_fn, seq_length, forward_only=True)
+        return _run_schedule(model, micro_batches, forward_fn, collect_fn, seq_length, micro_batch_size,
+                             forward_only=True)
 
 
 def _run_schedule(model, micro_batches: list[MicroBatch], forward_fn: ForwardFn, loss_fn: LossFn,
-                  seq_length: int, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+                  seq_length: int, micro_batch_size: int, forward_only: bool) -> list[dict[str, torch.Tensor]]:
     """Megatron's forward(/backward) schedule for this layout over `micro_batches`."""
 
     def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module):
@@ -151,7 +177,7 @@ def _run_schedule(model, micro_batches: list[MicroBatch], forward_fn: ForwardFn,
         model=model,
         num_microbatches=len(micro_batches),
         seq_length=seq_length,
-        micro_batch_size=next(iter(micro_batches[0].values())).shape[0],
+        micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
 

@@ -1,6 +1,6 @@
-"""The training objective of one RL step: the policy loss with train/rollout mismatch correction,
-as the per-micro-batch callable the Megatron schedule runs, its normalization, and the thresholds
-calibrated to the step's train/rollout noise floor (rl.noise).
+"""The training objective of one RL step: the policy loss with train/rollout mismatch correction per
+micro-batch, its normalization, and the thresholds calibrated to the step's train/rollout noise
+floor (rl.noise).
 
 Where the noise floor Δ = log π_old − log π_rollout comes from (logged as noise/source_first_forward):
 - decoupled (0): the trainer's recomputed old logprobs of the whole batch, before any update.
@@ -12,8 +12,9 @@ Where the noise floor Δ = log π_old − log π_rollout comes from (logged as n
   at hand) reuse the first mini-batch's estimate averaged over its micro-batches and DP ranks.
   A periodic recompute would cost the forward bypass exists to save, and a stale floor.
 
-Owns: `make_loss_fn`, `loss_denominator`, `step_noise_floor`, `effective_thresholds`.
-Must not import: cli, trainer.loop, trainer.rl_step.
+Owns: `Objective` (built once per run from AlgorithmConfig; trainer.actor.MegatronActor.update
+calls its `loss` per micro-batch with the mini-batch's `MiniBatchTerms`), `effective_thresholds`.
+Must not import: cli, trainer.loop, trainer.rl_step, trainer.actor.
 """
 from __future__ import annotations
 
@@ -35,32 +36,13 @@ from megatron_fp8rl.rl.noise import (
     widened_clip,
 )
 from megatron_fp8rl.trainer.batch import RolloutBatch
-from megatron_fp8rl.trainer.config import AlgorithmConfig, RunConfig
-
-
-def loss_denominator(cfg: RunConfig, mini: RolloutBatch, dp_size: int) -> float:
-    """Makes each micro-batch's loss a share of the mini-batch aggregate: Megatron divides by the
-    number of micro-batches and DDP averages over DP ranks, so scale both back in."""
-    micro_per_rank = mini.size // dp_size // cfg.train.micro_batch_size
-    if cfg.algorithm.agg_mode == "token-mean":
-        count = float(mini.response_mask.sum())
-    else:
-        count = float((mini.response_mask.sum(dim=1) > 0).sum())
-    return max(count, 1.0) / (micro_per_rank * dp_size)
+from megatron_fp8rl.trainer.config import AlgorithmConfig
 
 
 def noise_levels(algo: AlgorithmConfig) -> tuple[float, ...]:
     """Quantile levels estimated every step: the logged ones and the tails α, 1 − α."""
     tails = {algo.noise_quantile, round(1 - algo.noise_quantile, 12)}
     return tuple(sorted(set(algo.noise_log_quantiles) | tails))
-
-
-def step_noise_floor(cfg: RunConfig, batch: RolloutBatch, old_logprobs: torch.Tensor) -> NoiseFloor:
-    """Decoupled mode: the noise floor of the whole batch from the recomputed old logprobs [B, S]
-    (token level; per-sequence mean Δ for GSPO, whose ratio is a per-sequence geometric mean)."""
-    algo = cfg.algorithm
-    return estimate_noise(old_logprobs, batch.rollout_logprobs, batch.response_mask,
-                          noise_levels(algo), algo.ratio_level)
 
 
 @dataclass(frozen=True)
@@ -113,39 +95,74 @@ def _correction(algo: AlgorithmConfig, old, rollout, mask, limits: Thresholds):
     return None
 
 
-def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = None,
-                 at_old_policy: bool = False, clip_bounds: ClipBounds | None = None,
-                 capture: list | None = None):
-    """The callable `(micro_batch, logprobs [B, S], entropy [B, S]) -> (loss, metrics)` that the
-    Megatron schedule runs per micro-batch: mismatch and noise metrics, TIS/MIS weights, the policy
-    loss. `noise`: the step's noise floor; None only for bypass mode's first mini-batch, which
-    estimates it per micro-batch from its forward at θ_old (module docstring). Decoupled micro-
-    batches carry `old_logprobs`; bypass ones use `rollout_logprobs` as π_old.
-    `at_old_policy` (the update's first mini-batch, θ = θ_old): also log the training forward's
-    own noise against π_old, noise/train_forward_abs_delta_{mean,max} = |log π_θ − log π_old|
-    over response tokens; nonzero means the PPO ratio carries that noise.
-    `clip_bounds`: Calibrated Clipping's bounds in force (None: the configured interval).
-    `capture`: a list that receives (logprobs, π_old, advantages, response_mask), detached [B, S],
-    per micro-batch: the FP8 ratio's terms a calibration needs (trainer/clip_calibration.py)."""
-    algo = cfg.algorithm
-    bypass, ratio_level = algo.old_policy == "bypass", algo.ratio_level
-    if noise is None and not (bypass or at_old_policy):
-        raise ValueError("decoupled mode needs the step's noise floor from the recomputed old logprobs "
-                         "(only the update's first forward, at θ_old, can estimate its own)")
-    fixed = effective_thresholds(algo, noise, clip_bounds) if noise is not None else None
+@dataclass(frozen=True)
+class MiniBatchTerms:
+    """What one mini-batch's loss needs beside its micro-batches (MegatronActor.update sets it)."""
 
-    def loss_fn(mb, logprobs, entropy):
-        mask, rollout = mb["response_mask"], mb["rollout_logprobs"]
+    denominator: float
+    """The mini-batch's loss aggregate per micro-batch share (`Objective.denominator`)."""
+    noise: NoiseFloor | None = None
+    """The step's noise floor; None only for the first mini-batch without a recompute, which
+    estimates it per micro-batch from its forward at θ_old (module docstring)."""
+    at_old_policy: bool = False
+    """The update's first mini-batch (θ = θ_old): also log the training forward's own noise against
+    π_old, noise/train_forward_abs_delta_{mean,max} = |log π_θ − log π_old| over response tokens;
+    nonzero means the PPO ratio carries that noise."""
+    clip_bounds: ClipBounds | None = None
+    """Calibrated Clipping's bounds in force (None: the configured interval)."""
+    capture: list | None = None
+    """A list that receives (logprobs, π_old, advantages, response_mask), detached [B, S], per
+    micro-batch: the FP8 ratio's terms a calibration needs (trainer/clip_calibration.py)."""
+
+
+class Objective:
+    """The RL objective of a run, built once from its AlgorithmConfig: the policy loss with
+    mismatch correction per micro-batch, its normalization, and the step's noise floor."""
+
+    def __init__(self, algo: AlgorithmConfig, max_response_length: int):
+        """`max_response_length`: rollout.max_new_tokens (the seq-mean-token-sum-norm divisor)."""
+        self.algo, self.max_response_length = algo, max_response_length
+        self.levels = noise_levels(algo)
+
+    def denominator(self, mini: RolloutBatch, micro_batch_size: int, dp_size: int) -> float:
+        """Makes each micro-batch's loss a share of the mini-batch aggregate: Megatron divides by
+        the number of micro-batches and DDP averages over DP ranks, so scale both back in."""
+        micro_per_rank = mini.size // dp_size // micro_batch_size
+        if self.algo.agg_mode == "token-mean":
+            count = float(mini.response_mask.sum())
+        else:
+            count = float((mini.response_mask.sum(dim=1) > 0).sum())
+        return max(count, 1.0) / (micro_per_rank * dp_size)
+
+    def noise_floor(self, batch: RolloutBatch, old_logprobs: torch.Tensor) -> NoiseFloor:
+        """Decoupled mode: the noise floor of the whole batch from the recomputed old logprobs
+        [B, S] (token level; per-sequence mean Δ for GSPO, whose ratio is a per-sequence geometric
+        mean)."""
+        return estimate_noise(old_logprobs, batch.rollout_logprobs, batch.response_mask, self.levels,
+                              self.algo.ratio_level)
+
+    def loss(self, terms: MiniBatchTerms, mb: RolloutBatch, logprobs: torch.Tensor,
+             entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, metrics) of micro-batch `mb` given the policy's `logprobs` and `entropy` [B, S]:
+        mismatch and noise metrics, TIS/MIS weights, the policy loss. Decoupled micro-batches carry
+        `old_logprobs`; bypass ones use `rollout_logprobs` as π_old. ValueError when decoupled
+        `terms` lack the noise floor only a recompute (or a forward at θ_old) gives."""
+        algo = self.algo
+        bypass, ratio_level = algo.old_policy == "bypass", algo.ratio_level
+        if terms.noise is None and not (bypass or terms.at_old_policy):
+            raise ValueError("decoupled mode needs the step's noise floor from the recomputed old logprobs "
+                             "(only the update's first forward, at θ_old, can estimate its own)")
+        mask, rollout = mb.response_mask, mb.rollout_logprobs
         # log π_old where it is known: the recompute, or this forward before any update (bypass;
         # decoupled without a recompute, where this is the first and only mini-batch)
-        from_forward = noise is None
+        from_forward = terms.noise is None
         if bypass:
             trainer_old = logprobs.detach() if from_forward else None
         else:
-            trainer_old = logprobs.detach() if from_forward else mb["old_logprobs"]
-        floor = noise if noise is not None else estimate_noise(trainer_old, rollout, mask,
-                                                               noise_levels(algo), ratio_level)
-        limits = fixed if fixed is not None else effective_thresholds(algo, floor, clip_bounds)
+            trainer_old = logprobs.detach() if from_forward else mb.old_logprobs
+        floor = terms.noise if not from_forward else estimate_noise(trainer_old, rollout, mask, self.levels,
+                                                                    ratio_level)
+        limits = effective_thresholds(algo, floor, terms.clip_bounds)
         metrics = {**floor.metrics(), **limits.metrics(algo.correction),
                    "noise/source_first_forward": torch.tensor(float(bypass or from_forward))}
         weights = None
@@ -155,23 +172,20 @@ def make_loss_fn(cfg: RunConfig, denominator: float, noise: NoiseFloor | None = 
         if correction is not None:
             weights = correction.weights
             metrics.update(correction.metrics)
-        if capture is not None:
-            capture.append(tuple(t.detach() for t in (logprobs, rollout if bypass else trainer_old,
-                                                       mb["advantages"], mask)))
-        out = policy_loss(logprobs, rollout if bypass else trainer_old, mb["advantages"], mask,
-                          ratio_level=ratio_level, clip_low=limits.clip_low, clip_high=limits.clip_high,
-                          agg_mode=algo.agg_mode, max_response_length=cfg.rollout.max_new_tokens,
-                          denominator=denominator, correction_weights=weights, entropy=entropy,
-                          entropy_coef=algo.entropy_coef)
-        if at_old_policy:
-            metrics.update(_train_forward_noise(logprobs, rollout if bypass else trainer_old, mask))
+        old = rollout if bypass else trainer_old
+        if terms.capture is not None:
+            terms.capture.append(tuple(t.detach() for t in (logprobs, old, mb.advantages, mask)))
+        out = policy_loss(logprobs, old, mb.advantages, mask, ratio_level=ratio_level,
+                          clip_low=limits.clip_low, clip_high=limits.clip_high, agg_mode=algo.agg_mode,
+                          max_response_length=self.max_response_length, denominator=terms.denominator,
+                          correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef)
+        if terms.at_old_policy:
+            metrics.update(_train_forward_noise(logprobs, old, mask))
         if trainer_old is not None:
-            metrics.update(clip_attribution(logprobs, trainer_old, rollout, mb["advantages"], mask,
+            metrics.update(clip_attribution(logprobs, trainer_old, rollout, mb.advantages, mask,
                                             clip_low=limits.clip_low, clip_high=limits.clip_high,
                                             ratio_level=ratio_level))
         return out.loss, {**out.metrics, **metrics}
-
-    return loss_fn
 
 
 def _train_forward_noise(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor):

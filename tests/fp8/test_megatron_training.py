@@ -207,7 +207,7 @@ def test_fp8_linears_train_under_bf16_mixed_precision(megatron_tp1):
             batch = {"tokens": tokens, "labels": labels, "position_ids": positions}
             result = train_step(model, optimizer, [batch],
                                 lambda chunk, b: chunk(b["tokens"], b["position_ids"], None, labels=b["labels"]),
-                                lambda b, out: (out.mean(), {"loss": out.mean()}), SEQ)
+                                lambda b, out: (out.mean(), {"loss": out.mean()}), SEQ, BATCH)
             losses[name].append(result.metrics["loss"])
     from megatron.core.transformer.module import Float16Module
 

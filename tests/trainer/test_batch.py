@@ -2,7 +2,9 @@
 import torch
 
 from megatron_fp8rl.rollout.engine import RolloutSample
-from megatron_fp8rl.trainer.batch import build_batch, pad_rows, prompt_lengths, split_mini_batches
+from megatron_fp8rl.trainer.batch import (
+    RolloutBatch, build_batch, micro_batches, pad_rows, prompt_lengths, split_mini_batches,
+)
 
 
 def _sample(prompt, response):
@@ -25,9 +27,22 @@ def test_every_mini_batch_gets_real_rows_and_its_own_padding():
     batch = build_batch(samples, torch.arange(8.0), length=4)
     old = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
     minis = split_mini_batches(batch, old, mini_batches=2, multiple=8)
-    assert [m.size for m, _ in minis] == [8, 8]
-    for index, (mini, mini_old) in enumerate(minis):
+    assert [m.size for m in minis] == [8, 8]
+    for index, mini in enumerate(minis):
         assert mini.response_mask[:4].sum() == 8 and mini.response_mask[4:].sum() == 0
         assert torch.equal(mini.tokens[:4], batch.tokens[4 * index:4 * index + 4])
-        assert torch.equal(mini_old[:4], old[4 * index:4 * index + 4]) and not mini_old[4:].any()
-    assert len(split_mini_batches(batch.select(slice(0, 1)), None, mini_batches=2, multiple=8)) == 1
+        assert torch.equal(mini.old_logprobs[:4], old[4 * index:4 * index + 4]) and not mini.old_logprobs[4:].any()
+    unrecomputed = split_mini_batches(batch.select(slice(0, 1)), None, mini_batches=2, multiple=8)
+    assert len(unrecomputed) == 1 and unrecomputed[0].old_logprobs is None
+
+
+def test_micro_batches_are_typed_equal_shape_slices():
+    """5 rows with old logprobs, micro-batches of 2: three RolloutBatch micro-batches of 2 rows,
+    the last one padded with an all-masked row whose old logprobs are 0."""
+    samples = [_sample([1, 2], [3 + i, 4]) for i in range(5)]
+    old = -torch.arange(1, 5 * 4 + 1, dtype=torch.float32).reshape(5, 4)
+    (mini,) = split_mini_batches(build_batch(samples, torch.arange(5.0), length=4), old, 1, 1)
+    micro = micro_batches(mini, 2)
+    assert [m.size for m in micro] == [2, 2, 2] and all(isinstance(m, RolloutBatch) for m in micro)
+    assert torch.equal(torch.cat([m.old_logprobs for m in micro])[:5], old)
+    assert not micro[2].old_logprobs[1].any() and not micro[2].response_mask[1].any()

@@ -29,7 +29,7 @@ def actor(megatron_tp1):
     def step():
         train_step(model, optimizer, [batch],
                    lambda chunk, b: chunk(b["tokens"], b["position_ids"], None, labels=b["labels"]),
-                   lambda b, loss: (loss.float().mean(), {"loss": loss.float().mean()}), SEQ)
+                   lambda b, loss: (loss.float().mean(), {"loss": loss.float().mean()}), SEQ, 4)
     return model, optimizer, step
 
 

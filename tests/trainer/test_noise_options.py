@@ -7,6 +7,7 @@ the widened one. End to end (`megatron-fp8rl train`, tiny random Llama, real SGL
 floor from the first forward and logs noise/ metrics; decoupled logs the same floor from the
 recompute, and both see the same noise.
 """
+import dataclasses
 import math
 
 import pytest
@@ -17,7 +18,8 @@ from megatron_fp8rl.rl.calibrated_clipping import ClipBounds
 from megatron_fp8rl.rl.losses import policy_loss
 from megatron_fp8rl.rl.noise import estimate_noise
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.objective import make_loss_fn, noise_levels
+from megatron_fp8rl.trainer.batch import RolloutBatch
+from megatron_fp8rl.trainer.objective import MiniBatchTerms, Objective, noise_levels
 from tests.trainer.conftest import run_train, tb_scalars
 
 B, S = 6, 9
@@ -32,20 +34,28 @@ def _micro_batch(noise: float):
     moved = rollout + 0.4 * torch.randn(B, S, generator=generator) * mask  # the policy after updates
     entropy = torch.rand(B, S, generator=generator)
     old = rollout + noise * mask
-    return {"response_mask": mask, "rollout_logprobs": rollout, "advantages": advantages,
-            "old_logprobs": old}, moved, entropy
+    ids = torch.zeros(B, S, dtype=torch.long)  # the objective reads no token ids
+    return RolloutBatch(tokens=ids, position_ids=ids, target_ids=ids, response_mask=mask, rollout_logprobs=rollout,
+                        advantages=advantages, old_logprobs=old), moved, entropy
 
 
-def _loss_and_grad(loss_fn, mb, logprobs, entropy):
+def _loss_and_grad(cfg, mb, logprobs, entropy, noise=None, clip_bounds=None):
+    """The run's objective (built from cfg.algorithm) on one micro-batch: loss, d loss/d logprobs,
+    metrics."""
     leaf = logprobs.clone().requires_grad_()
-    loss, metrics = loss_fn(mb, leaf, entropy)
+    objective = Objective(cfg.algorithm, cfg.rollout.max_new_tokens)
+    loss, metrics = objective.loss(MiniBatchTerms(DENOMINATOR, noise, clip_bounds=clip_bounds), mb, leaf, entropy)
     loss.backward()
     return loss.detach(), leaf.grad, metrics
 
 
+def _without_old(mb):
+    return dataclasses.replace(mb, old_logprobs=None)
+
+
 def _plain(cfg, mb, logprobs, entropy, old):
     leaf = logprobs.clone().requires_grad_()
-    out = policy_loss(leaf, old, mb["advantages"], mb["response_mask"],
+    out = policy_loss(leaf, old, mb.advantages, mb.response_mask,
                       ratio_level="sequence" if cfg.algorithm.name == "gspo" else "token",
                       clip_low=cfg.algorithm.clip_low, clip_high=cfg.algorithm.clip_high,
                       agg_mode=cfg.algorithm.agg_mode, max_response_length=cfg.rollout.max_new_tokens,
@@ -72,16 +82,16 @@ def test_zero_noise_reduces_every_option_to_plain_policy_loss(name, options, fir
     cfg = load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.name={name}", *options])
     mb, moved, entropy = _micro_batch(noise=0.0)
     # first_forward: the parameters are still θ_old, so log π_θ equals the (noise-free) rollout's
-    logprobs = mb["rollout_logprobs"].clone() if first_forward else moved
+    logprobs = mb.rollout_logprobs.clone() if first_forward else moved
     bypass = cfg.algorithm.old_policy == "bypass"
     noise = None
     if not (bypass and first_forward):  # bypass's first mini-batch measures the floor itself
-        noise = estimate_noise(mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"],
+        noise = estimate_noise(mb.old_logprobs, mb.rollout_logprobs, mb.response_mask,
                                noise_levels(cfg.algorithm), "sequence" if name == "gspo" else "token")
     if bypass:
-        del mb["old_logprobs"]
-    loss, grad, metrics = _loss_and_grad(make_loss_fn(cfg, DENOMINATOR, noise), mb, logprobs, entropy)
-    plain_loss, plain_grad = _plain(cfg, mb, logprobs, entropy, mb["rollout_logprobs"])
+        mb = _without_old(mb)
+    loss, grad, metrics = _loss_and_grad(cfg, mb, logprobs, entropy, noise)
+    plain_loss, plain_grad = _plain(cfg, mb, logprobs, entropy, mb.rollout_logprobs)
     assert torch.equal(loss, plain_loss)
     assert torch.equal(grad, plain_grad)
     assert float(metrics["noise/clip_high"]) == cfg.algorithm.clip_high
@@ -94,14 +104,14 @@ def test_bypass_widens_the_interval_by_the_measured_noise():
     cfg = load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.old_policy=bypass",
                                         "algorithm.correction=none"])
     mb, _, entropy = _micro_batch(noise=0.1)
-    logprobs = mb.pop("old_logprobs")  # the first forward sees log π_old = rollout + Δ
-    loss, grad, metrics = _loss_and_grad(make_loss_fn(cfg, DENOMINATOR), mb, logprobs, entropy)
+    logprobs, mb = mb.old_logprobs, _without_old(mb)  # the first forward sees log π_old = rollout + Δ
+    loss, grad, metrics = _loss_and_grad(cfg, mb, logprobs, entropy)
     clip_high = float(metrics["noise/clip_high"])
     assert clip_high == pytest.approx(1.28 * math.exp(0.1) - 1, rel=1e-6)
     assert float(metrics["noise/clip_low"]) == 0.2
     assert float(metrics["noise/delta_q0.5"]) == pytest.approx(0.1, abs=1e-6)
     leaf = logprobs.clone().requires_grad_()
-    widened = policy_loss(leaf, mb["rollout_logprobs"], mb["advantages"], mb["response_mask"],
+    widened = policy_loss(leaf, mb.rollout_logprobs, mb.advantages, mb.response_mask,
                           clip_low=0.2, clip_high=clip_high, denominator=DENOMINATOR, entropy=entropy,
                           max_response_length=cfg.rollout.max_new_tokens)
     widened.loss.backward()
@@ -154,17 +164,16 @@ def test_calibrated_bounds_replace_the_clip_interval(options):
                                         "algorithm.clip_calibration=shadow", *options])
     mb, moved, entropy = _micro_batch(noise=0.1)
     bypass = cfg.algorithm.old_policy == "bypass"
-    old = mb["rollout_logprobs"] if bypass else mb["old_logprobs"]
-    noise = estimate_noise(mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"],
+    old = mb.rollout_logprobs if bypass else mb.old_logprobs
+    noise = estimate_noise(mb.old_logprobs, mb.rollout_logprobs, mb.response_mask,
                            noise_levels(cfg.algorithm), "token")
     if bypass:
-        del mb["old_logprobs"]
+        mb = _without_old(mb)
     bounds = ClipBounds(0.7, 1.45)
-    loss, grad, metrics = _loss_and_grad(make_loss_fn(cfg, DENOMINATOR, noise, clip_bounds=bounds),
-                                         mb, moved, entropy)
+    loss, grad, metrics = _loss_and_grad(cfg, mb, moved, entropy, noise, clip_bounds=bounds)
     eps_low, eps_high = bounds.epsilons()
     leaf = moved.clone().requires_grad_()
-    expected = policy_loss(leaf, old, mb["advantages"], mb["response_mask"], clip_low=eps_low,
+    expected = policy_loss(leaf, old, mb.advantages, mb.response_mask, clip_low=eps_low,
                            clip_high=eps_high, denominator=DENOMINATOR, entropy=entropy,
                            max_response_length=cfg.rollout.max_new_tokens)
     expected.loss.backward()
@@ -172,8 +181,8 @@ def test_calibrated_bounds_replace_the_clip_interval(options):
     assert float(metrics["noise/clip_low"]) == eps_low and float(metrics["noise/clip_high"]) == eps_high
     plain = load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8=calibrated", *options])
     for config, clip_bounds in ((cfg, None), (plain, None)):
-        got = _loss_and_grad(make_loss_fn(config, DENOMINATOR, noise, clip_bounds=clip_bounds), mb, moved, entropy)
-        assert torch.equal(got[0], _loss_and_grad(make_loss_fn(plain, DENOMINATOR, noise), mb, moved, entropy)[0])
+        got = _loss_and_grad(config, mb, moved, entropy, noise, clip_bounds=clip_bounds)
+        assert torch.equal(got[0], _loss_and_grad(plain, mb, moved, entropy, noise)[0])
 
 
 def test_clip_calibration_config_is_checked():

@@ -56,7 +56,7 @@ def main(args) -> None:
                    for mb in tokens.split(MICRO_BATCH)]
         if step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        losses[step] = train_step(model, optimizer, batches, _forward, _loss, SEQ).metrics["loss"]
+        losses[step] = train_step(model, optimizer, batches, _forward, _loss, SEQ, MICRO_BATCH).metrics["loss"]
         if layout.rank == 0:
             out.write_text(json.dumps(losses))
         if args.ckpt_every and step % args.ckpt_every == 0:

@@ -98,7 +98,7 @@ def train(args) -> None:
     history = []
     for tokens in _global_batches(args.steps):
         result = train_step(ddp, optimizer, _micro_batches(tokens, dp_rank, layout.data_parallel),
-                            _forward, _loss, seq_length=SEQ)
+                            _forward, _loss, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
         history.append({"lm_loss": result.metrics["lm_loss"], "grad_norm": result.grad_norm})
     if layout.rank == 0:
         result = {"history": history, "precision": _precision(ddp, optimizer)}
