@@ -237,6 +237,9 @@ class AlgorithmConfig:
     """MIS upper ratio bound."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
+    dual_clip: float = 0.0
+    """Dual-clip PPO constant c > 1: a negative-advantage token's loss is at most −A·c, so a ratio
+    far above 1 cannot push its update without bound (Ye et al. 2020); 0 turns it off."""
     old_policy: str = "decoupled"
     """π_old of the PPO ratio (one of OLD_POLICIES). decoupled: r = π_θ/π_old with the trainer's
     recomputed old logprobs; the rollout mismatch is handled only by `correction`. bypass: r =
@@ -288,6 +291,8 @@ class AlgorithmConfig:
         _check(self.correction in CORRECTIONS, "algorithm.correction", f"{self.correction!r} is not one of {CORRECTIONS}")
         _check(self.clip_low > 0 and self.clip_high > 0, "algorithm", "clip_low and clip_high must be > 0")
         _check(self.tis_cap > 0, "algorithm.tis_cap", "must be > 0")
+        _check(self.dual_clip == 0 or (math.isfinite(self.dual_clip) and self.dual_clip > 1), "algorithm.dual_clip",
+               f"must be 0 (off) or a finite number > 1, got {self.dual_clip}")
         _check(0 <= self.mis_low < self.mis_high, "algorithm.mis_low", "need 0 <= mis_low < mis_high")
         self._check_noise_options()
         self._check_clip_calibration()

@@ -178,7 +178,8 @@ class Objective:
         out = policy_loss(logprobs, old, mb.advantages, mask, ratio_level=ratio_level,
                           clip_low=limits.clip_low, clip_high=limits.clip_high, agg_mode=algo.agg_mode,
                           max_response_length=self.max_response_length, denominator=terms.denominator,
-                          correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef)
+                          correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef,
+                          dual_clip=algo.dual_clip or None)
         if terms.at_old_policy:
             metrics.update(_train_forward_noise(logprobs, old, mask))
         if trainer_old is not None:

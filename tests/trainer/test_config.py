@@ -43,6 +43,7 @@ def test_unknown_key_suggests_closest(capsys):
     ("data.train_size=0", r"data.train_size: must be >= 1"),
     ("data.arithmetic_ops=[add,pow]", r"data.arithmetic_ops: unknown \['pow'\]"),
     ("algorithm.agg_mode=sum", r"algorithm.agg_mode: 'sum' is not one of"),
+    ("algorithm.dual_clip=0.5", r"algorithm.dual_clip: must be 0 \(off\) or a finite number > 1, got 0.5"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

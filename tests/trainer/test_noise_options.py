@@ -197,3 +197,22 @@ def test_clip_calibration_config_is_checked():
         load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration_high_max=1.1"])
     with pytest.raises(ValueError, match="algorithm.clip_calibration_every: must be >= 1"):
         load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration_every=0"])
+
+
+def test_dual_clip_reaches_the_loss_from_the_config():
+    """algorithm.dual_clip=3 is policy_loss's dual_clip=3: negative-advantage tokens whose ratio is
+    far above 1 have their loss capped at −3·A (the plain run's loss differs on this batch)."""
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.dual_clip=3", "algorithm.correction=none"])
+    mb, moved, entropy = _micro_batch(noise=0.0)
+    logprobs = moved + 2.0 * mb.response_mask  # ratios of e^2 ≈ 7.4 > 3
+    loss, grad, _ = _loss_and_grad(cfg, mb, logprobs, entropy, estimate_noise(
+        mb.old_logprobs, mb.rollout_logprobs, mb.response_mask, noise_levels(cfg.algorithm), "token"))
+    leaf = logprobs.clone().requires_grad_()
+    capped = policy_loss(leaf, mb.old_logprobs, mb.advantages, mb.response_mask, clip_low=0.2, clip_high=0.28,
+                         max_response_length=cfg.rollout.max_new_tokens, denominator=DENOMINATOR, entropy=entropy,
+                         dual_clip=3.0)
+    capped.loss.backward()
+    assert torch.equal(loss, capped.loss.detach())
+    assert torch.equal(grad, leaf.grad)
+    plain, _ = _plain(cfg, mb, logprobs, entropy, mb.old_logprobs)
+    assert not torch.equal(loss, plain)
