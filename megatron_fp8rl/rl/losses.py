@@ -1,5 +1,6 @@
 """Policy losses: PPO clipping (DAPO clip-higher, dual-clip), GSPO's sequence ratio, loss
-aggregation, KL penalty against a reference policy, entropy bonus.
+aggregation, entropy bonus. (No KL penalty against a reference policy: the trainer runs no
+reference model, as DAPO and GSPO drop the term.)
 
 Owns: per-token surrogate losses and their reduction to the scalar the trainer backpropagates.
 Must not import: anything from megatron_fp8rl outside rl/, megatron, or model code (layer L0).
@@ -7,8 +8,7 @@ Must not import: anything from megatron_fp8rl outside rl/, megatron, or model co
 Shapes: every per-token tensor is [B, T] (B sequences, T response positions, right-padded);
 `response_mask` [B, T] bool or 0/1 marks the tokens that count. Losses are to be minimized.
 Naming: `logprobs` = log π_θ(y_t) under the parameters being trained (carries the gradient);
-`old_logprobs` = log π_θold(y_t) recomputed by the trainer before the update (no gradient);
-`ref_logprobs` = the frozen reference policy's.
+`old_logprobs` = log π_θold(y_t) recomputed by the trainer before the update (no gradient).
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from megatron_fp8rl.rl.common import (
 from megatron_fp8rl.rl.metrics import clip_metrics, entropy_metrics
 
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
 _LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: far outside any clip range, and no fp32 overflow.
 
@@ -130,36 +129,14 @@ def sequence_ratio(
     return log_ratio.exp()
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled by the policy (Schulman 2020).
-
-    With δ = log π_ref(y_t) − log π_θ(y_t):
-        k1 = −δ                    (unbiased, can be negative)
-        k2 = ½·δ²                  (biased, low variance)
-        k3 = exp(δ) − 1 − δ        (unbiased, >= 0, low variance; verl's "low_var_kl")
-    δ is clamped to ±20 and k3 to <= 10, as verl does, so one wild token cannot blow up the loss.
-    All tensors [B, T]; returns [B, T].
-    """
-    check_same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
-    delta = ref_logprobs.detach() - logprobs
-    if kind == "k1":
-        return -delta
-    if kind == "k2":
-        return 0.5 * delta.square()
-    if kind == "k3":
-        delta = delta.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-        return (delta.exp() - 1 - delta).clamp(max=10.0)
-    raise RLInputError(f"unknown KL estimator {kind!r}; choose one of {KL_ESTIMATORS}")
-
-
 @dataclass(frozen=True)
 class PolicyLoss:
     """The scalar to backpropagate and detached 0-dim metrics about it."""
 
     loss: torch.Tensor
-    """Total loss: policy-gradient term + kl_coef·KL − entropy_coef·entropy."""
+    """Total loss: policy-gradient term − entropy_coef·entropy."""
     metrics: dict[str, torch.Tensor]
-    """pg_loss, clip fractions, ratio min/mean/max, and kl / entropy when those terms are on."""
+    """pg_loss, clip fractions, ratio min/mean/max, and entropy when that term is on."""
 
 
 def policy_loss(
@@ -176,16 +153,13 @@ def policy_loss(
     max_response_length: int | None = None,
     denominator: float | torch.Tensor | None = None,
     correction_weights: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> PolicyLoss:
-    """GRPO / DAPO / GSPO policy loss with optional mismatch correction, KL penalty, entropy bonus.
+    """GRPO / DAPO / GSPO policy loss with optional mismatch correction and entropy bonus.
 
         L_t  = w_t · max(−A_t·ρ_t, −A_t·clip(ρ_t, 1 − ε_low, 1 + ε_high))  [dual clip: see clipped_surrogate]
-        loss = agg(L) + kl_coef · agg(k(logp, ref_logp)) − entropy_coef · agg(H)
+        loss = agg(L) − entropy_coef · agg(H)
 
     ρ_t is `token_ratio` (ratio_level="token": GRPO, DAPO) or `sequence_ratio` ("sequence": GSPO,
     which the paper pairs with clip 3e-4/4e-4 and agg_mode="seq-mean-token-mean"). w_t are the
@@ -195,12 +169,12 @@ def policy_loss(
 
     Args:
         logprobs, old_logprobs, advantages, response_mask: [B, T]. advantages must be finite.
-        correction_weights, ref_logprobs, entropy: [B, T] or None. `entropy` is the policy's
+        correction_weights, entropy: [B, T] or None. `entropy` is the policy's
             per-token entropy (differentiable, from logprobs.py); its mean is reported when given.
         agg_mode, max_response_length, denominator: see `aggregate_loss`.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask, correction_weights,
-                         ref_logprobs, entropy, ratio_level)
+                         entropy, ratio_level)
     if ratio_level == "token":
         ratio = token_ratio(logprobs, old_logprobs)
     else:
@@ -219,12 +193,6 @@ def policy_loss(
     metrics = {"pg_loss": pg_loss.detach()}
     metrics.update(clip_metrics(ratio, advantages, response_mask, clip_low=clip_low,
                                 clip_high=clip_high, dual_clip=dual_clip))
-    if kl_coef and ref_logprobs is None:
-        raise RLInputError("kl_coef is set but ref_logprobs is None")
-    if ref_logprobs is not None:
-        kl_loss = aggregate(kl_penalty(logprobs, ref_logprobs, kl_kind))
-        loss = loss + kl_coef * kl_loss
-        metrics["kl_loss"] = kl_loss.detach()
     if entropy_coef and entropy is None:
         raise RLInputError("entropy_coef is set but entropy is None")
     if entropy is not None:
@@ -234,12 +202,11 @@ def policy_loss(
 
 
 def _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask, correction_weights,
-                         ref_logprobs, entropy, ratio_level) -> None:
+                         entropy, ratio_level) -> None:
     check_ndim("logprobs", logprobs, 2, "[B, T]")
     check_same_shape(
         "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages,
-        response_mask=response_mask, correction_weights=correction_weights,
-        ref_logprobs=ref_logprobs, entropy=entropy,
+        response_mask=response_mask, correction_weights=correction_weights, entropy=entropy,
     )
     check_finite("advantages", advantages)
     if ratio_level not in RATIO_LEVELS:

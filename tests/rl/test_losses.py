@@ -11,7 +11,6 @@ from megatron_fp8rl.rl.losses import (
     AGGREGATION_MODES,
     aggregate_loss,
     clipped_surrogate,
-    kl_penalty,
     policy_loss,
 )
 
@@ -104,25 +103,12 @@ def test_gspo_gradient_inside_the_clip_range():
     torch.testing.assert_close(logprobs.grad[0], torch.tensor([expected, expected], dtype=torch.float64))
 
 
-def test_kl_estimators_hand_values():
-    logprobs, ref = torch.tensor([LN(0.5)]), torch.tensor([LN(0.25)])
-    ln2 = LN(2.0)
-    assert kl_penalty(logprobs, ref, "k1").item() == pytest.approx(ln2)
-    assert kl_penalty(logprobs, ref, "k2").item() == pytest.approx(0.5 * ln2**2)
-    assert kl_penalty(logprobs, ref, "k3").item() == pytest.approx(0.5 - 1 + ln2)
-    with pytest.raises(RLInputError, match="unknown KL estimator 'k4'"):
-        kl_penalty(logprobs, ref, "k4")
-
-
-def test_kl_and_entropy_terms_enter_the_total():
+def test_entropy_term_enters_the_total():
     logprobs = torch.full((1, 2), LN(0.5), requires_grad=True)
-    ref = torch.full((1, 2), LN(0.25))
     entropy = torch.tensor([[2.0, 4.0]], requires_grad=True)
     out = policy_loss(logprobs, logprobs.detach(), torch.zeros(1, 2), torch.ones(1, 2),
-                      ref_logprobs=ref, kl_coef=0.1, entropy=entropy, entropy_coef=0.01)
-    k3 = 0.5 - 1 + LN(2.0)
-    assert out.loss.item() == pytest.approx(0.1 * k3 - 0.01 * 3.0)
-    assert out.metrics["kl_loss"].item() == pytest.approx(k3)
+                      entropy=entropy, entropy_coef=0.01)
+    assert out.loss.item() == pytest.approx(-0.01 * 3.0)
     assert out.metrics["entropy"].item() == pytest.approx(3.0)
     out.loss.backward()
     torch.testing.assert_close(entropy.grad, torch.full((1, 2), -0.005))
@@ -151,8 +137,6 @@ def test_bad_inputs_name_the_tensor():
     nan_message = r"advantages has 1 non-finite value\(s\) \(first at index \(1, 2\)"
     with pytest.raises(RLInputError, match=nan_message):
         policy_loss(ok, ok, nan_advantages, ok)
-    with pytest.raises(RLInputError, match="ref_logprobs is None"):
-        policy_loss(ok, ok, ok, ok, kl_coef=0.1)
     with pytest.raises(RLInputError, match="unknown ratio_level"):
         policy_loss(ok, ok, ok, ok, ratio_level="seq")
 
