@@ -48,6 +48,9 @@ class Fp8Tensor:
     tensor (the cached weight quantization in quantizer.py) so GEMMs skip the FP8 -> fp32 cast."""
     transposed: "Fp8Tensor | None" = field(default=None, repr=False, compare=False)
     """Optional precomputed `t()` (same values, kept by the same producers)."""
+    dense_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Optional contiguous fp32 copy of `data.t()` (2-D), kept by the same producers for block
+    operands: the [K, N] layout in which fp8/linear.py's grouped 'exact' GEMM reads a weight."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x ≈ q * scale_inv, in `dtype`."""
