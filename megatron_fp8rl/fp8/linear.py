@@ -51,7 +51,10 @@ fp32 matmul of the same FP8 values. The weight stays a high-precision (FP32/BF16
 parameter; the FP8 copies of x and W saved for the backward are 1 byte per element.
 Speed on CPU (bench/fp8_linear_speed.py): a calibrated or frozen-scale weight's quantization is
 cached (quantizer.WeightQuantCache) with its fp32 copy and transpose, which 'fp32_accumulate'
-uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values).
+uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values); a block
+weight's with its codes' fp32 transpose (`dense_t`, what the grouped 'exact' GEMM reads) and its
+dequantized values (`values`, what every backward's dgrad reads). The backward dequantizes a
+block-scaled output gradient once for both of its GEMMs.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only; the
 'triton_invariant' GEMM imports fp8/triton_gemm.py, torch + triton, when first called).
 """
@@ -221,9 +224,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.w_meta = (w_q.scale_inv, w_q.granularity, w_q.block, weight.dtype)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x_q.data, w_q.data)
-        # a cached weight quantization (quantizer.WeightQuantCache) carries its fp32 copies and
-        # transpose; keep the object so the backward reuses them (the cache owns the memory)
-        ctx.w_cached = w_q if w_q.dense is not None else None
+        # a cached weight quantization (quantizer.WeightQuantCache) carries its fp32 copies (block
+        # weights: the dequantized values); keep the object so the backward reuses them (the
+        # cache owns the memory)
+        ctx.w_cached = w_q if w_q.dense is not None or w_q.values is not None else None
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -237,6 +241,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             w_q = Fp8Tensor(w_data, w_scale_inv, w_gran, w_block)
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         g_q = ctx.quantizers.grad_output.quantize(dy)
+        if not _is_per_tensor(g_q):  # dequantized once for both GEMMs
+            g_q.values = g_q.dequantize()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             if _is_per_tensor(g_q, w_q):

@@ -51,9 +51,15 @@ class Fp8Tensor:
     dense_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional contiguous fp32 copy of `data.t()` (2-D), kept by the same producers for block
     operands: the [K, N] layout in which fp8/linear.py's grouped 'exact' GEMM reads a weight."""
+    values: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Optional fp32 result of `dequantize()` kept by the same producers (the cached weight's
+    backward reads it every micro-batch); shared, so callers must not modify what
+    `dequantize()` returns."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x ≈ q * scale_inv, in `dtype`."""
+        if self.values is not None:
+            return self.values.to(dtype)
         if self.granularity == "block":
             return dequantize_blockwise(self.data, self.scale_inv, self.block).to(dtype)
         return dequantize(self.data, self.scale_inv).to(dtype)
@@ -235,5 +241,10 @@ def dequantize_blockwise(
             f"scale_inv for a {tuple(q.shape)} tensor with {block} blocks must have shape "
             f"{expected}, found {tuple(scale_inv.shape)}"
         )
-    full = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return q.float() * full[: q.shape[0], : q.shape[1]]
+    (rows, cols), bk = q.shape, block[1]
+    values = q.float()  # scaled in place, whole groups then a partial last one: no [N, K] scales
+    row_scales = scale_inv.float().repeat_interleave(block[0], 0)[:rows]  # [N, ceil(K/bk)]
+    whole = cols // bk
+    values[:, : whole * bk].view(rows, whole, bk).mul_(row_scales[:, :whole, None])
+    values[:, whole * bk:].mul_(row_scales[:, whole:])
+    return values
