@@ -220,6 +220,15 @@ def quantize_blockwise(
     Use WEIGHT_BLOCK (128x128) for weights and ACTIVATION_BLOCK (1x128) for activations and
     gradients flattened to [tokens, channels]. An all-zero block gets scale 1.
     """
+    return quantize_blockwise_bounded(x, fmt, block, margin)[0]
+
+
+def quantize_blockwise_bounded(
+    x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int] = WEIGHT_BLOCK, margin: int = 0
+) -> tuple[Fp8Tensor, torch.Tensor | None]:
+    """(`quantize_blockwise(x, ...)`, each block's max |x| [ceil(N/bn), ceil(K/bk)] in fp32 when
+    every element of x is known finite (CPU), else None): the bounds let the block statistics
+    rule out saturation without another pass over x."""
     blocks, nb, kb = _block_view(x, block)
     bound, finite = _block_amax(blocks)
     scale = scale_from_bound(bound, fmt.max, margin)
@@ -228,7 +237,8 @@ def quantize_blockwise(
     else:
         q = quantize(blocks, scale[:, None, :, None], fmt)
     q = q.view(nb * block[0], kb * block[1])
-    return Fp8Tensor(q[: x.shape[0], : x.shape[1]].contiguous(), scale.reciprocal(), "block", block)
+    result = Fp8Tensor(q[: x.shape[0], : x.shape[1]].contiguous(), scale.reciprocal(), "block", block)
+    return result, bound if finite else None
 
 
 def dequantize_blockwise(

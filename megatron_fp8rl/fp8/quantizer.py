@@ -37,7 +37,7 @@ from megatron_fp8rl.fp8.quantize import (
     cpu_finite_peak,
     finite_amax,
     quantize,
-    quantize_blockwise,
+    quantize_blockwise_bounded,
     quantize_finite,
     quantize_with_scale_inv,
     scale_from_bound,
@@ -125,10 +125,10 @@ class WeightQuantCache:
         weight's codes as [K, N] fp32, every backward its dequantized values."""
         self._rekey(x)
         if self.block_entry is None:
-            result = quantize_blockwise(x, fmt, block)
+            result, bounds = quantize_blockwise_bounded(x, fmt, block)
             result.dense_t = result.data.t().float().contiguous()
             result.values = result.dequantize()
-            self.block_entry = (result, block_quantization_stats(x, result, fmt))
+            self.block_entry = (result, block_quantization_stats(x, result, fmt, bounds))
         return self.block_entry
 
 
@@ -181,8 +181,8 @@ class BlockQuantizer:
         if self.cache is not None and WeightQuantCache.applies(x):
             result, self.last_stats = self.cache.blockwise(x, self.fmt, self.block)
             return result
-        result = quantize_blockwise(x, self.fmt, self.block)
-        self.last_stats = block_quantization_stats(x, result, self.fmt)
+        result, bounds = quantize_blockwise_bounded(x, self.fmt, self.block)
+        self.last_stats = block_quantization_stats(x, result, self.fmt, bounds)
         return result
 
     def state_dict(self) -> dict:

@@ -92,28 +92,34 @@ def _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated, peak=None) -> QuantSta
     )
 
 
-def block_quantization_stats(x: torch.Tensor, q: Fp8Tensor, fmt: Fp8Format) -> QuantStats:
+def block_quantization_stats(x: torch.Tensor, q: Fp8Tensor, fmt: Fp8Format,
+                             bounds: torch.Tensor | None = None) -> QuantStats:
     """`quantization_stats` of a blockwise quantization q of x [N, K] (quantize.quantize_blockwise,
     recalibrated: each block's scale comes from the block itself), without expanding the scales
-    to x's shape: for a CPU x with no inf/NaN, underflow counts as in `_per_tensor_cpu_stats` and
-    only the elements whose FP8 magnitude code is fp8_max or above (where anything saturated
-    lands; about one per block) are scaled and checked; otherwise `reference_stats`."""
+    to x's shape. For a CPU x with no inf/NaN, underflow counts as in `_per_tensor_cpu_stats`, and
+    saturation is 0 when every block's fl(max|x| * scale) <= the limit (`bounds`: the blocks' max
+    |x| [N/bn, K/bk] of a finite x, quantize_blockwise_bounded's; fl(|x| * s) is monotone in |x|),
+    else counted on the elements whose FP8 magnitude code is fp8_max or above (only they can be
+    saturated). Anything else takes `reference_stats`."""
     scale = q.scale_inv.reciprocal()
     (bn, bk), total = q.block, x.numel()
-    if cpu_finite_peak(x) is None:
+    if bounds is None and cpu_finite_peak(x) is None:
         full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: x.shape[0], : x.shape[1]]
         return reference_stats(x, full, q.data, fmt, True)
     x = x.detach()
     codes = q.data.view(torch.uint8) & 0x7F
-    rows, cols = (codes >= _max_code(fmt)).nonzero(as_tuple=True)
-    scaled = (x[rows, cols].float() * scale.float()[rows // bn, cols // bk]).abs()
+    if bounds is not None and not bool((bounds.float() * scale.float() > fmt.rounding_limit).any()):
+        saturated = torch.zeros((), dtype=torch.int64)
+    else:
+        rows, cols = (codes >= _max_code(fmt)).nonzero(as_tuple=True)
+        saturated = ((x[rows, cols].float() * scale.float()[rows // bn, cols // bk]).abs() > fmt.rounding_limit).sum()
     q_zeros = total - torch.count_nonzero(codes)
     x_zeros = total - torch.count_nonzero(x) if bool(q_zeros > 0) else q_zeros
     smallest_scale = scale.float().min()
     return QuantStats(
         bound=fmt.max / smallest_scale,
         scale=smallest_scale,
-        saturated_fraction=(scaled > fmt.rounding_limit).sum().float() / total,
+        saturated_fraction=saturated.float() / total,
         underflow_fraction=(q_zeros - x_zeros).float() / (total - x_zeros).clamp(min=1).float(),
         nonfinite_count=torch.zeros((), dtype=torch.int64),
         recalibrated=torch.ones((), device=x.device),

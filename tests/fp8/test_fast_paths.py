@@ -15,7 +15,9 @@ import torch
 
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
 from megatron_fp8rl.fp8.linear import Fp8Linear
-from megatron_fp8rl.fp8.quantize import Fp8Tensor, dequantize_blockwise, finite_amax, quantize, quantize_blockwise
+from megatron_fp8rl.fp8.quantize import (
+    Fp8Tensor, dequantize_blockwise, finite_amax, quantize, quantize_blockwise_bounded,
+)
 from megatron_fp8rl.fp8.quantizer import BlockQuantizer, CalibratedQuantizer, frozen_quantizers
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, groupwise
 from megatron_fp8rl.fp8.stats import block_quantization_stats, quantization_stats, reference_stats
@@ -76,22 +78,25 @@ def test_stats_match_reference(name, fmt, scale_factor):
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 @pytest.mark.parametrize("block", [(1, 128), (1, 32), (16, 32), (128, 128)])
 def test_block_stats_match_reference(name, fmt, block):
-    """Block statistics from the FP8 bytes and the fp8_max elements == the definition over the
-    scales expanded to x's shape, for quantize_blockwise's own scales and for scales 40x too
-    large (saturating)."""
+    """Block statistics (from the FP8 bytes and either the quantization's block bounds or the
+    fp8_max elements) == the definition over the scales expanded to x's shape, for
+    quantize_blockwise's own scales and for scales 1.1x and 40x too large (saturating: the block
+    peaks only, or most elements)."""
     x = _inputs()[name]
-    result = quantize_blockwise(x, fmt, block)
-    for factor in (1.0, 40.0):
+    result, bounds = quantize_blockwise_bounded(x, fmt, block)
+    assert (bounds is None) == (name == "nonfinite")
+    for factor in (1.0, 1.1, 40.0):
         scale_inv = result.scale_inv / factor
         full = dequantize_blockwise(torch.ones(x.shape), scale_inv.reciprocal(), block)  # scales, [N, K]
         q = Fp8Tensor(quantize(x, full, fmt), scale_inv, "block", block)
-        fast, slow = block_quantization_stats(x, q, fmt), reference_stats(x, full, q.data, fmt, True)
-        for field in ("bound", "scale", "saturated_fraction", "underflow_fraction", "nonfinite_count",
-                      "recalibrated"):
-            assert _same(getattr(fast, field), getattr(slow, field)), (field, factor)
+        slow = reference_stats(x, full, q.data, fmt, True)
+        for fast in (block_quantization_stats(x, q, fmt), block_quantization_stats(x, q, fmt, bounds)):
+            for field in ("bound", "scale", "saturated_fraction", "underflow_fraction", "nonfinite_count",
+                          "recalibrated"):
+                assert _same(getattr(fast, field), getattr(slow, field)), (field, factor)
         if name == "normal":  # both counts exercised
-            assert (fast.saturated_fraction > 0) == (factor > 1)
-            assert fast.underflow_fraction > 0 or factor > 1 or fmt is E5M2
+            assert (slow.saturated_fraction > 0) == (factor > 1)
+            assert slow.underflow_fraction > 0 or factor > 1 or fmt is E5M2
 
 
 def _uncached(layer: Fp8Linear) -> Fp8Linear:
