@@ -229,6 +229,10 @@ def quantize_blockwise_bounded(
     """(`quantize_blockwise(x, ...)`, each block's max |x| [ceil(N/bn), ceil(K/bk)] in fp32 when
     every element of x is known finite (CPU), else None): the bounds let the block statistics
     rule out saturation without another pass over x."""
+    if block[0] == 1 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % block[1]:
+        groups = _quantize_ragged_groups(x, fmt, block[1], margin)
+        if groups is not None:
+            return groups
     blocks, nb, kb = _block_view(x, block)
     bound, finite = _block_amax(blocks)
     scale = scale_from_bound(bound, fmt.max, margin)
@@ -239,6 +243,29 @@ def quantize_blockwise_bounded(
     q = q.view(nb * block[0], kb * block[1])
     result = Fp8Tensor(q[: x.shape[0], : x.shape[1]].contiguous(), scale.reciprocal(), "block", block)
     return result, bound if finite else None
+
+
+def _quantize_ragged_groups(x: torch.Tensor, fmt: Fp8Format, width: int, margin: int):
+    """`quantize_blockwise_bounded` for 1 x width groups of a CPU x [N, K] whose K is not a
+    multiple of width, without the zero-padded copy of x and the cropped copy of q: the whole
+    groups as one [N, K // width, width] view, the partial last group apart. Same codes, scales
+    and bounds: the padding's zeros never raise a group's max(max x, -min x). None when x holds
+    inf or NaN (the padded path handles those)."""
+    rows, cols = x.shape
+    whole = cols - cols % width
+    x = x.float()
+    parts = [x[:, :whole].view(rows, -1, width), x[:, None, whole:]] if whole else [x[:, None, :]]
+    bound = torch.cat([torch.maximum(part.amax(-1), part.amin(-1).neg()) for part in parts], 1)
+    if not bool(torch.isfinite(bound).all()):
+        return None
+    scale = scale_from_bound(bound, fmt.max, margin)  # [N, groups]
+    q = torch.empty(rows, cols, dtype=fmt.dtype)
+    groups = [q[:, :whole].view(rows, -1, width), q[:, None, whole:]] if whole else [q[:, None, :]]
+    start = 0
+    for part, codes in zip(parts, groups):  # finite, scaled by its own bound: no clamp needed
+        codes.copy_(part * scale[:, start:start + part.shape[1], None])
+        start += part.shape[1]
+    return Fp8Tensor(q, scale.reciprocal(), "block", (1, width)), bound
 
 
 def dequantize_blockwise(

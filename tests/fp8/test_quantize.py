@@ -145,12 +145,17 @@ def test_per_row_matches_oracle(fmt):
     assert_same_codes(result.data, oracle_quantize(x.numpy(), scale, fmt), fmt)
 
 
-@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((5, 300), (1, 128))])
+@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((5, 300), (1, 128)), ((6, 576), (1, 128)),
+                                         ((4, 100), (1, 128)), ((3, 512), (1, 128))])
 def test_blockwise_matches_oracle(shape, block):
+    """Including 1x128 groups with a partial last group (quantized without padding) whose values
+    are all negative, or all zero."""
     fmt = formats.E4M3
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(*shape, generator=gen) * torch.rand(*shape, generator=gen).pow(4) * 100
     x[: block[0], : block[1]] = 0.0  # an all-zero block keeps scale 1
+    x[-1] = -x[-1].abs()
+    x[-2, -(shape[1] % 128 or 128):] = 0.0
     result = quantize_blockwise(x, fmt, block)
     nb, kb = math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
     assert result.scale_inv.shape == (nb, kb)
