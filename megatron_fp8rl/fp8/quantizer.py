@@ -81,8 +81,9 @@ class WeightQuantCache:
     Holds a copy of the weight (the key: compared bit for bit, so in-place updates through
     `.data` or a shared buffer, which skip the version counter, still invalidate it), the
     quantizer's local bound of it, the FP8 data, `data.float()` and the transposes the GEMMs use
-    (block weights: `blockwise`), and the statistics. Results are exactly what quantizing afresh gives. CPU only: on an
-    accelerator the comparison would be a host sync, and FP8 GEMMs read FP8 data directly.
+    (block weights: `blockwise`), and the statistics. Results are exactly what quantizing afresh
+    gives. CPU only: on an accelerator the comparison would be a host sync, and FP8 GEMMs read
+    FP8 data directly.
     """
 
     def __init__(self):

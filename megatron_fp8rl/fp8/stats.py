@@ -1,7 +1,8 @@
 """Per-quantizer statistics, cheap enough to log every step.
 
-Owns: `QuantStats` and `quantization_stats`, computed from the high-precision tensor x, the scale
-it was quantized with and the FP8 result q (elementwise passes, no host sync on accelerators):
+Owns: `QuantStats`, `quantization_stats` and `block_quantization_stats`, computed from the
+high-precision tensor x, the scale it was quantized with and the FP8 result q (elementwise
+passes, no host sync on accelerators):
 - bound: the value mapped to fp8_max, fp8_max / scale (the largest one for row/block scales);
 - scale: the scale (the smallest one for row/block scales);
 - saturated_fraction: finite elements clipped by saturation, |x * scale| > fmt.rounding_limit
@@ -112,7 +113,8 @@ def block_quantization_stats(x: torch.Tensor, q: Fp8Tensor, fmt: Fp8Format,
         saturated = torch.zeros((), dtype=torch.int64)
     else:
         rows, cols = (codes >= _max_code(fmt)).nonzero(as_tuple=True)
-        saturated = ((x[rows, cols].float() * scale.float()[rows // bn, cols // bk]).abs() > fmt.rounding_limit).sum()
+        scaled = x[rows, cols].float() * scale.float()[rows // bn, cols // bk]
+        saturated = (scaled.abs() > fmt.rounding_limit).sum()
     q_zeros = total - torch.count_nonzero(codes)
     x_zeros = total - torch.count_nonzero(x) if bool(q_zeros > 0) else q_zeros
     smallest_scale = scale.float().min()
