@@ -165,20 +165,20 @@ def _exact_grouped_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     y = torch.empty(m, n, dtype=torch.float32, device=a.data.device)
     for start in range(0, m, EXACT_ROW_CHUNK):
         rows = slice(start, min(start + EXACT_ROW_CHUNK, m))
-        y[rows] = _exact_grouped_rows(a.data[rows].double(), b_wide, a_scales[rows], b_scales, width)
+        _exact_grouped_rows(y[rows], a.data[rows].double(), b_wide, a_scales[rows], b_scales, width)
     return y
 
 
-def _exact_grouped_rows(a_wide, b_wide, a_scales, b_scales, width: int) -> torch.Tensor:
-    """fp32 [rows, n] of `_exact_grouped_matmul_nt` for a few rows: a_wide [rows, k] and b_wide
-    [k, n] hold the FP8 codes in fp64."""
-    total = torch.zeros(a_wide.shape[0], b_wide.shape[1], dtype=torch.float64, device=a_wide.device)
+def _exact_grouped_rows(out, a_wide, b_wide, a_scales, b_scales, width: int) -> None:
+    """Write `_exact_grouped_matmul_nt` for a few rows into out [rows, n] (fp32): a_wide
+    [rows, k] and b_wide [k, n] hold the FP8 codes in fp64."""
+    total = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
     part = torch.empty_like(total)
     for group, start in enumerate(range(0, a_wide.shape[1], width)):  # in K order
         cols = slice(start, start + width)
         torch.mm(a_wide[:, cols], b_wide[cols], out=part)  # exact sums
         total.add_(part.mul_(a_scales[:, group, None]).mul_(b_scales[group]))
-    return total.float()
+    out.copy_(total)  # rounded once to fp32
 
 
 def _row_or_tensor(a: Fp8Tensor, b: Fp8Tensor) -> bool:
