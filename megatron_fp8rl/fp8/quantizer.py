@@ -41,6 +41,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_finite,
     quantize_with_scale_inv,
     scale_from_bound,
+    transposed_codes,
 )
 from megatron_fp8rl.fp8.scaling import DelayedScalingState, all_reduce_max_, roll_amax_history_
 from megatron_fp8rl.fp8.stats import QuantStats, block_quantization_stats, quantization_stats
@@ -127,7 +128,7 @@ class WeightQuantCache:
         self._rekey(x)
         if self.block_entry is None:
             result, bounds = quantize_blockwise_bounded(x, fmt, block)
-            result.dense_t = result.data.t().float().contiguous()
+            result.dense_t = transposed_codes(result.data)
             result.values = result.dequantize()
             self.block_entry = (result, block_quantization_stats(x, result, fmt, bounds))
         return self.block_entry

@@ -55,6 +55,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_blockwise,
     quantize_per_row,
     quantize_with_scale_inv,
+    transposed_codes,
 )
 from megatron_fp8rl.rollout.sglang_common import OUR_FP8_METHOD
 
@@ -250,7 +251,7 @@ class Fp8RLLinearMethod(LinearMethodBase):
         if resolve_gemm(self.config.gemm, layer.weight.device) != "exact":
             return None
         codes = layer.weight.detach()
-        return codes.float() if self.block is None else codes.t().float().contiguous()
+        return codes.float() if self.block is None else transposed_codes(codes)
 
     def _weight(self, layer) -> "Fp8Tensor | _Dequantized":
         if self.block is None:

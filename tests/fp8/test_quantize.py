@@ -17,6 +17,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_blockwise,
     quantize_per_row,
     quantize_per_tensor,
+    transposed_codes,
 )
 
 ORACLE_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -172,6 +173,14 @@ def test_blockwise_matches_oracle(shape, block):
     subnormal_step = result.scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     half_step = subnormal_step[: shape[0], : shape[1]] * fmt.min_subnormal / 2
     assert ((restored - x).abs() <= x.abs() * 2.0**-4 + half_step).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_transposed_codes_are_the_transposed_fp32_values(fmt):
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype)[torch.randperm(256)[:240]].reshape(16, 15)
+    got = transposed_codes(codes)
+    assert got.is_contiguous() and got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), codes.float().t().contiguous().view(torch.int32))
 
 
 def test_dequantize_blockwise_rejects_wrong_scale_shape():
