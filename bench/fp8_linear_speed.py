@@ -1,18 +1,23 @@
-"""FP8 linear speed on CPU: calibrated FP8 vs float32, as ratios measured in the same run.
+"""FP8 linear speed on CPU: each FP8 recipe vs float32, as ratios measured in the same run.
 
-Times (median of --reps after one warm-up):
+Times (CPU seconds of this process, `time.process_time`, median of --reps after one warm-up: the
+box is shared, and CPU time moves less with its load than wall time):
 - linears: SmolLM2-135M shapes (hidden 576, ffn 1536, kv 192: qkv 576->960, proj 576->576,
-  fc1 576->3072 (gated), fc2 1536->576) on --tokens tokens, `Fp8Linear` with the calibrated
-  recipe vs `torch.nn.functional.linear`, forward (no grad) and forward+backward;
+  fc1 576->3072 (gated), fc2 1536->576) on --tokens tokens, `Fp8Linear` with each recipe of
+  --recipes vs `torch.nn.functional.linear`, forward (no grad) and forward+backward;
 - model: a whole Megatron SmolLM2 built by `build_model_from_hf(hf_config,
-  fp8_recipe=recipe_by_name("calibrated"))` vs `fp8_recipe=None` (random weights; speed does not
+  fp8_recipe=recipe_by_name(recipe))` vs `fp8_recipe=None` (random weights; speed does not
   depend on them), forward (no grad, as the old-logprob recompute) and forward+backward of the
   summed logits (as the train phase), on --batch x --seq tokens.
-`--gemms a,b` repeats the linears with each FP8 GEMM ('auto' is 'exact' on CPU).
+`--recipes a,b` names fp8/recipe.py RECIPE_NAMES (default calibrated,groupwise: the per-tensor
+recipe and the demo's 1x128 groups); `--gemms a,b` repeats the linears with each FP8 GEMM ('auto'
+is 'exact' on CPU).
 Prints one line per case: float32 seconds, FP8 seconds and the ratio FP8/float32.
-`--profile` also prints torch.profiler's top operators of one FP8 model forward+backward.
+`--profile` also prints torch.profiler's top operators of one FP8 model forward and one
+forward+backward per recipe.
 
-Run: .venv/bin/python bench/fp8_linear_speed.py [--reps 5] [--gemms auto] [--no-model] [--profile]
+Run: .venv/bin/python bench/fp8_linear_speed.py [--reps 5] [--recipes calibrated,groupwise]
+     [--gemms auto] [--no-model] [--profile]
 To compare two trees, run it with PYTHONPATH pointing at each (same load, same flags).
 """
 from __future__ import annotations
@@ -30,24 +35,24 @@ def _time(fn, reps: int) -> float:
     fn()  # warm-up (first calibration, allocator)
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
 def _row(name: str, base: float, fp8: float) -> None:
-    print(f"{name:36s} fp32 {base * 1e3:9.2f} ms   fp8 {fp8 * 1e3:9.2f} ms   ratio {fp8 / base:6.2f}x",
+    print(f"{name:46s} fp32 {base * 1e3:9.2f} ms   fp8 {fp8 * 1e3:9.2f} ms   ratio {fp8 / base:6.2f}x",
           flush=True)
 
 
-def bench_linears(tokens: int, reps: int, gemm: str) -> None:
+def bench_linears(tokens: int, reps: int, recipe_name: str, gemm: str) -> None:
     from megatron_fp8rl.fp8.linear import Fp8Linear
     from megatron_fp8rl.fp8.recipe import recipe_by_name
 
     torch.manual_seed(0)
     for name, (k, n) in LINEARS.items():
-        layer = Fp8Linear(k, n, bias=False, recipe=recipe_by_name("calibrated"), gemm=gemm)
+        layer = Fp8Linear(k, n, bias=False, recipe=recipe_by_name(recipe_name), gemm=gemm)
         weight = layer.weight
         x = torch.randn(tokens, k)
         dy = torch.randn(tokens, n)
@@ -70,8 +75,9 @@ def bench_linears(tokens: int, reps: int, gemm: str) -> None:
             layer(xg).backward(dy)
             weight.grad = None
 
-        _row(f"linear {name} {gemm} fwd", _time(fp32_fwd, reps), _time(fp8_fwd, reps))
-        _row(f"linear {name} {gemm} fwd+bwd", _time(fp32_train, reps), _time(fp8_train, reps))
+        label = f"linear {name} {recipe_name} {gemm}"
+        _row(f"{label} fwd", _time(fp32_fwd, reps), _time(fp8_fwd, reps))
+        _row(f"{label} fwd+bwd", _time(fp32_train, reps), _time(fp8_train, reps))
 
 
 def _model(hf_config, recipe):
@@ -81,7 +87,16 @@ def _model(hf_config, recipe):
     return build_model_from_hf(hf_config, fp8_recipe=recipe)
 
 
-def bench_model(model_dir: str, batch: int, seq: int, reps: int, profile: bool) -> None:
+def _profile(label: str, fn) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    print(f"profile: {label}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+def bench_model(model_dir: str, batch: int, seq: int, reps: int, recipes: list[str], profile: bool) -> None:
     from transformers import AutoConfig
 
     from megatron_fp8rl.fp8.recipe import recipe_by_name
@@ -89,7 +104,6 @@ def bench_model(model_dir: str, batch: int, seq: int, reps: int, profile: bool) 
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokens = torch.randint(0, hf_config.vocab_size, (batch, seq))
     positions = torch.arange(seq).expand(batch, seq)
-    models = {"fp32": _model(hf_config, None), "fp8": _model(hf_config, recipe_by_name("calibrated"))}
 
     def forward(model):
         def run():
@@ -103,16 +117,16 @@ def bench_model(model_dir: str, batch: int, seq: int, reps: int, profile: bool) 
             model.zero_grad(set_to_none=True)
         return run
 
-    _row(f"model fwd {batch}x{seq}", _time(forward(models["fp32"]), reps),
-         _time(forward(models["fp8"]), reps))
-    _row(f"model fwd+bwd {batch}x{seq}", _time(train(models["fp32"]), reps),
-         _time(train(models["fp8"]), reps))
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            train(models["fp8"])()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    base = _model(hf_config, None)
+    base_times = {"fwd": _time(forward(base), reps), "fwd+bwd": _time(train(base), reps)}
+    del base
+    for name in recipes:
+        model = _model(hf_config, recipe_by_name(name))
+        _row(f"model {name} fwd {batch}x{seq}", base_times["fwd"], _time(forward(model), reps))
+        _row(f"model {name} fwd+bwd {batch}x{seq}", base_times["fwd+bwd"], _time(train(model), reps))
+        if profile:
+            _profile(f"{name} model fwd {batch}x{seq}", forward(model))
+            _profile(f"{name} model fwd+bwd {batch}x{seq}", train(model))
 
 
 def main() -> None:
@@ -122,22 +136,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=60)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--recipes", default="calibrated,groupwise",
+                        help="comma list of FP8 recipes (fp8/recipe.py RECIPE_NAMES)")
     parser.add_argument("--gemms", default="auto",
                         help="comma list of FP8 GEMMs for the linears (fp8/linear.py GEMMS), e.g. "
                              "fp32_accumulate,exact to see what batch-invariance costs")
     parser.add_argument("--no-model", action="store_true", help="linears only")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (timings under whatever "
-          "load the box has; compare ratios measured in one run)", flush=True)
-    for gemm in args.gemms.split(","):
-        bench_linears(args.tokens, args.reps, gemm)
+    recipes = args.recipes.split(",")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (CPU time of this process; "
+          "compare ratios measured in one run)", flush=True)
+    for recipe in recipes:
+        for gemm in args.gemms.split(","):
+            bench_linears(args.tokens, args.reps, recipe, gemm)
     if not args.no_model:
         from megatron_fp8rl.launch import init_distributed, shutdown_distributed
 
         init_distributed(tensor_parallel=1, pipeline_parallel=1, seed=3)
         try:
-            bench_model(args.model, args.batch, args.seq, args.reps, args.profile)
+            bench_model(args.model, args.batch, args.seq, args.reps, recipes, args.profile)
         finally:
             shutdown_distributed()
 

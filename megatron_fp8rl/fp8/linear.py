@@ -51,7 +51,10 @@ fp32 matmul of the same FP8 values. The weight stays a high-precision (FP32/BF16
 parameter; the FP8 copies of x and W saved for the backward are 1 byte per element.
 Speed on CPU (bench/fp8_linear_speed.py): a calibrated or frozen-scale weight's quantization is
 cached (quantizer.WeightQuantCache) with its fp32 copy and transpose, which 'fp32_accumulate'
-uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values).
+uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values); a block
+weight's with its codes' fp32 transpose (`dense_t`, what the grouped 'exact' GEMM reads) and its
+dequantized values (`values`, what every backward's dgrad reads). The backward dequantizes a
+block-scaled output gradient once for both of its GEMMs.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only; the
 'triton_invariant' GEMM imports fp8/triton_gemm.py, torch + triton, when first called).
 """
@@ -69,6 +72,10 @@ EXTRA_STATE_VERSION = 1
 GEMMS = ("auto", "batch_invariant", "scaled_mm", "fp32_accumulate", "exact", "triton_invariant")
 EXACT_MAX_K = 2**17
 """Longest contraction for which fp64 sums of E4M3 x E4M3 products are exact (module docstring)."""
+EXACT_ROW_CHUNK = 64
+"""Rows per pass of the grouped 'exact' GEMM: the [64, n] fp64 partial sums stay in cache
+(2048x576x1536, CPU time on the dev box: 91 ms in 64-row passes, 213 ms as one batched product
+over all rows; 32 and 128 rows were no faster)."""
 
 
 def resolve_gemm(gemm: str, device: torch.device) -> str:
@@ -141,19 +148,37 @@ def _row_group_scales(t: Fp8Tensor) -> torch.Tensor:
 
 
 def _exact_grouped_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
-    """'exact' for block operands (module docstring): y = sum over K groups g, in order, of
-    exact_sum_g(a b) * sa[m, g] * sb[n, g], in fp64, rounded once to fp32."""
+    """'exact' for block operands (module docstring): y = 0 + sum over K groups g, in order, of
+    exact_sum_g(a b) * sa[m, g] * sb[n, g], in fp64, rounded once to fp32.
+
+    Computed EXACT_ROW_CHUNK rows at a time, each group's [chunk, n] sums by one fp64 GEMM whose
+    result is exact (module docstring), then scaled and added in place while it is in cache (the
+    whole [groups, m, n] fp64 product written at once cost as much as the sums). Every rounding
+    step (the two multiplications, the additions in K order, the fp32 cast) is elementwise, so an
+    element's bits depend on its row of a, its row of b and their multipliers only: not on M, on
+    where the chunks fall, or on the other rows."""
     width, (m, k), n = a.block[1], a.data.shape, b.data.shape[0]
-    groups = -(-k // width)
-    # [groups, rows, width] fp64 operands (zero-padded along K: exact), one batched product
-    a3 = torch.nn.functional.pad(a.data.to(torch.float64), (0, groups * width - k)).view(m, groups, width)
-    b3 = torch.nn.functional.pad(b.data.to(torch.float64), (0, groups * width - k)).view(n, groups, width)
-    parts = torch.bmm(a3.transpose(0, 1), b3.permute(1, 2, 0))  # [groups, m, n], exact sums
-    a_scales, b_scales = _row_group_scales(a), _row_group_scales(b)
-    y = parts[0].mul_(a_scales[:, 0, None]).mul_(b_scales[None, :, 0])
-    for group in range(1, groups):  # in K order, one rounding per operation, per element
-        y.add_(parts[group].mul_(a_scales[:, group, None]).mul_(b_scales[None, :, group]))
-    return y.float()
+    # b's codes in fp64 (exact) as [k, n]: each group is then one contiguous block of rows
+    b_wide = torch.empty(k, n, dtype=torch.float64, device=b.data.device)
+    b_wide.copy_(b.dense_t if b.dense_t is not None else b.data.t())
+    a_scales, b_scales = _row_group_scales(a), _row_group_scales(b).t().contiguous()  # [m, g], [g, n]
+    y = torch.empty(m, n, dtype=torch.float32, device=a.data.device)
+    for start in range(0, m, EXACT_ROW_CHUNK):
+        rows = slice(start, min(start + EXACT_ROW_CHUNK, m))
+        _exact_grouped_rows(y[rows], a.data[rows].double(), b_wide, a_scales[rows], b_scales, width)
+    return y
+
+
+def _exact_grouped_rows(out, a_wide, b_wide, a_scales, b_scales, width: int) -> None:
+    """Write `_exact_grouped_matmul_nt` for a few rows into out [rows, n] (fp32): a_wide
+    [rows, k] and b_wide [k, n] hold the FP8 codes in fp64."""
+    total = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
+    part = torch.empty_like(total)
+    for group, start in enumerate(range(0, a_wide.shape[1], width)):  # in K order
+        cols = slice(start, start + width)
+        torch.mm(a_wide[:, cols], b_wide[cols], out=part)  # exact sums
+        total.add_(part.mul_(a_scales[:, group, None]).mul_(b_scales[group]))
+    out.copy_(total)  # rounded once to fp32
 
 
 def _row_or_tensor(a: Fp8Tensor, b: Fp8Tensor) -> bool:
@@ -201,9 +226,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.w_meta = (w_q.scale_inv, w_q.granularity, w_q.block, weight.dtype)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x_q.data, w_q.data)
-        # a cached weight quantization (quantizer.WeightQuantCache) carries its fp32 copies and
-        # transpose; keep the object so the backward reuses them (the cache owns the memory)
-        ctx.w_cached = w_q if w_q.dense is not None else None
+        # a cached weight quantization (quantizer.WeightQuantCache) carries its fp32 copies (block
+        # weights: the dequantized values); keep the object so the backward reuses them (the
+        # cache owns the memory)
+        ctx.w_cached = w_q if w_q.dense is not None or w_q.values is not None else None
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -217,6 +243,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             w_q = Fp8Tensor(w_data, w_scale_inv, w_gran, w_block)
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         g_q = ctx.quantizers.grad_output.quantize(dy)
+        if not _is_per_tensor(g_q):  # dequantized once for both GEMMs
+            g_q.values = g_q.dequantize()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             if _is_per_tensor(g_q, w_q):

@@ -10,11 +10,13 @@ backward format) and their scaling state; `make_quantizers(recipe, group)` picks
                          mode (`frozen_quantizers`) in which the trainer recomputes logprobs with
                          exactly the bounds the rollout engine served (`next_scale` reads them).
 Every `quantize` leaves `last_stats` (stats.QuantStats) for logging.
-CPU speed: a calibrated weight quantizer (and the frozen StaticQuantizer built from it) reuses its
-last quantization while the weight is bit-identical and the scale unchanged (`WeightQuantCache`,
-14 bytes of memory per fp32 weight element, 3.5x the weight: a copy of it, the FP8 data, its fp32
-copy and their transposes); activation quantizations share one aminmax pass (fast paths in
-quantize.py / stats.py). Results are bit-identical to the plain path (tests/fp8/test_fast_paths.py).
+CPU speed: weight quantizers reuse their last quantization while the weight is bit-identical
+(`WeightQuantCache`): a calibrated one (and the frozen StaticQuantizer built from it) while its
+scale is also unchanged (14 bytes per fp32 weight element, 3.5x the weight: a copy of it, the FP8
+data, its fp32 copy and their transposes), a blockwise one always (13 bytes: the copy, the FP8
+data, the codes' fp32 transpose and the dequantized values); activation quantizations share one
+aminmax pass, block statistics skip the expanded scales (fast paths in quantize.py / stats.py).
+Results are bit-identical to the plain path (tests/fp8/test_fast_paths.py).
 Collectives: with a group of more than one rank, each `quantize` of a delayed or calibrated
 quantizer all-reduces once, so every rank must quantize the same roles in the same order.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only).
@@ -35,13 +37,14 @@ from megatron_fp8rl.fp8.quantize import (
     cpu_finite_peak,
     finite_amax,
     quantize,
-    quantize_blockwise,
+    quantize_blockwise_bounded,
     quantize_finite,
     quantize_with_scale_inv,
     scale_from_bound,
+    transposed_codes,
 )
 from megatron_fp8rl.fp8.scaling import DelayedScalingState, all_reduce_max_, roll_amax_history_
-from megatron_fp8rl.fp8.stats import QuantStats, quantization_stats
+from megatron_fp8rl.fp8.stats import QuantStats, block_quantization_stats, quantization_stats
 
 ROLES = ("input", "weight", "grad_output")
 RECIPE_TYPES = (
@@ -72,30 +75,35 @@ def _same_bits(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 
 class WeightQuantCache:
-    """The last per-tensor quantization of one weight, reused while the weight's bits and the
-    multiplying scale are unchanged (weights change only at optimizer steps, yet every forward
+    """The last quantization of one weight, reused while the weight's bits (and, per tensor, the
+    multiplying scale) are unchanged (weights change only at optimizer steps, yet every forward
     and frozen-scale recompute quantized them again: ~20 elementwise passes per layer).
 
     Holds a copy of the weight (the key: compared bit for bit, so in-place updates through
     `.data` or a shared buffer, which skip the version counter, still invalidate it), the
-    quantizer's local bound of it, the FP8 data, `data.float()` and the transposes the GEMMs use,
-    and the statistics. Results are exactly what quantizing afresh gives. CPU only: on an
-    accelerator the comparison would be a host sync, and FP8 GEMMs read FP8 data directly.
+    quantizer's local bound of it, the FP8 data, `data.float()` and the transposes the GEMMs use
+    (block weights: `blockwise`), and the statistics. Results are exactly what quantizing afresh
+    gives. CPU only: on an accelerator the comparison would be a host sync, and FP8 GEMMs read
+    FP8 data directly.
     """
 
     def __init__(self):
-        self.weight = self.bound = self.scale = self.entry = None
+        self.weight = self.bound = self.scale = self.entry = self.block_entry = None
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.dim() == 2 and x.dtype in _BITS_FLOAT
 
+    def _rekey(self, x: torch.Tensor) -> None:
+        """Forget everything derived from another weight than x (compared bit for bit)."""
+        if not _same_bits(self.weight, x):
+            self.weight, self.bound = x.detach().clone(), None
+            self.scale = self.entry = self.block_entry = None
+
     def local_bound(self, x: torch.Tensor, compute) -> torch.Tensor:
         """`compute(x)` (the calibration bound), reused while x is bit-identical to the cached
         weight; always a fresh tensor (callers all-reduce it in place)."""
-        if not _same_bits(self.weight, x):
-            self.weight, self.bound = x.detach().clone(), None
-            self.scale = self.entry = None
+        self._rekey(x)
         if self.bound is None:  # also after a frozen-scale quantizer sharing this cache saw x first
             self.bound = compute(x).clone()
         return self.bound.clone()
@@ -103,9 +111,8 @@ class WeightQuantCache:
     def quantize(self, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, checked: bool = False):
         """(data, dense, data_t, dense_t, stats without `recalibrated`) of quantize(x, scale);
         `checked`: `local_bound(x)` has just compared x (skips a second comparison)."""
-        if not checked and not _same_bits(self.weight, x):
-            self.weight, self.bound = x.detach().clone(), None
-            self.scale = self.entry = None
+        if not checked:
+            self._rekey(x)
         if self.entry is None or not _same_bits(self.scale, scale.detach().float().reshape(())):
             data = quantize(x, scale, fmt)
             stats = quantization_stats(x, scale, data, fmt, False)
@@ -113,6 +120,18 @@ class WeightQuantCache:
             self.scale = scale.detach().float().reshape(()).clone()
             self.entry = (data, data.float(), data_t, data_t.float(), stats)
         return self.entry
+
+    def blockwise(self, x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int]):
+        """(quantize_blockwise(x, fmt, block) carrying its `dense_t` and dequantized `values`,
+        its statistics), reused while x is bit-identical: the groupwise forward reads the
+        weight's codes as [K, N] fp32, every backward its dequantized values."""
+        self._rekey(x)
+        if self.block_entry is None:
+            result, bounds = quantize_blockwise_bounded(x, fmt, block)
+            result.dense_t = transposed_codes(result.data)
+            result.values = result.dequantize()
+            self.block_entry = (result, block_quantization_stats(x, result, fmt, bounds))
+        return self.block_entry
 
 
 _BITS_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -150,18 +169,22 @@ class CurrentQuantizer:
 
 
 class BlockQuantizer:
-    """Blockwise current scaling of a 2-D tensor (callers flatten activations to [tokens, K])."""
+    """Blockwise current scaling of a 2-D tensor (callers flatten activations to [tokens, K]).
 
-    def __init__(self, fmt: Fp8Format, block: tuple[int, int]):
-        self.fmt, self.block = fmt, block
+    `cache`: a weight's WeightQuantCache (`make_quantizers` gives the weight role one), or None.
+    A block weight's quantization depends on the weight alone, so it is reused until the weight's
+    bits change (an optimizer step), with the copies its GEMMs read (`WeightQuantCache.blockwise`)."""
+
+    def __init__(self, fmt: Fp8Format, block: tuple[int, int], cache: WeightQuantCache | None = None):
+        self.fmt, self.block, self.cache = fmt, block, cache
         self.last_stats: QuantStats | None = None
 
     def quantize(self, x: torch.Tensor) -> Fp8Tensor:
-        result = quantize_blockwise(x, self.fmt, self.block)
-        bn, bk = self.block
-        scale = result.scale_inv.reciprocal()
-        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: x.shape[0], : x.shape[1]]
-        self.last_stats = quantization_stats(x, full, result.data, self.fmt, recalibrated=True)
+        if self.cache is not None and WeightQuantCache.applies(x):
+            result, self.last_stats = self.cache.blockwise(x, self.fmt, self.block)
+            return result
+        result, bounds = quantize_blockwise_bounded(x, self.fmt, self.block)
+        self.last_stats = block_quantization_stats(x, result, self.fmt, bounds)
         return result
 
     def state_dict(self) -> dict:
@@ -403,6 +426,7 @@ def make_quantizers(recipe: recipes.Fp8Recipe, group=None) -> Fp8Quantizers:
         make = lambda fmt, is_weight: CurrentQuantizer(fmt, recipe.margin)  # noqa: E731
     else:
         make = lambda fmt, is_weight: BlockQuantizer(  # noqa: E731
-            fmt, recipe.weight_block if is_weight else recipe.activation_block
+            fmt, recipe.weight_block if is_weight else recipe.activation_block,
+            WeightQuantCache() if is_weight else None,
         )
     return Fp8Quantizers(make(forward, False), make(forward, True), make(backward, False))

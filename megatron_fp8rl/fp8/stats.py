@@ -1,7 +1,8 @@
 """Per-quantizer statistics, cheap enough to log every step.
 
-Owns: `QuantStats` and `quantization_stats`, computed from the high-precision tensor x, the scale
-it was quantized with and the FP8 result q (elementwise passes, no host sync on accelerators):
+Owns: `QuantStats`, `quantization_stats` and `block_quantization_stats`, computed from the
+high-precision tensor x, the scale it was quantized with and the FP8 result q (elementwise
+passes, no host sync on accelerators):
 - bound: the value mapped to fp8_max, fp8_max / scale (the largest one for row/block scales);
 - scale: the scale (the smallest one for row/block scales);
 - saturated_fraction: finite elements clipped by saturation, |x * scale| > fmt.rounding_limit
@@ -17,7 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from megatron_fp8rl.fp8.formats import Fp8Format
-from megatron_fp8rl.fp8.quantize import cpu_finite_peak
+from megatron_fp8rl.fp8.quantize import Fp8Tensor, cpu_finite_peak
 
 
 @dataclass
@@ -90,6 +91,46 @@ def _per_tensor_cpu_stats(x, scale, q, fmt, recalibrated, peak=None) -> QuantSta
         nonfinite_count=torch.zeros((), dtype=torch.int64),
         recalibrated=torch.as_tensor(recalibrated, device=x.device).float(),
     )
+
+
+def block_quantization_stats(x: torch.Tensor, q: Fp8Tensor, fmt: Fp8Format,
+                             bounds: torch.Tensor | None = None) -> QuantStats:
+    """`quantization_stats` of a blockwise quantization q of x [N, K] (quantize.quantize_blockwise,
+    recalibrated: each block's scale comes from the block itself), without expanding the scales
+    to x's shape. For a CPU x with no inf/NaN, underflow counts as in `_per_tensor_cpu_stats`, and
+    saturation is 0 when every block's fl(max|x| * scale) <= the limit (`bounds`: the blocks' max
+    |x| [N/bn, K/bk] of a finite x, quantize_blockwise_bounded's; fl(|x| * s) is monotone in |x|),
+    else counted on the elements whose FP8 magnitude code is fp8_max or above (only they can be
+    saturated). Anything else takes `reference_stats`."""
+    scale = q.scale_inv.reciprocal()
+    (bn, bk), total = q.block, x.numel()
+    if bounds is None and cpu_finite_peak(x) is None:
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: x.shape[0], : x.shape[1]]
+        return reference_stats(x, full, q.data, fmt, True)
+    x = x.detach()
+    codes = q.data.view(torch.uint8) & 0x7F
+    if bounds is not None and not bool((bounds.float() * scale.float() > fmt.rounding_limit).any()):
+        saturated = torch.zeros((), dtype=torch.int64)
+    else:
+        rows, cols = (codes >= _max_code(fmt)).nonzero(as_tuple=True)
+        scaled = x[rows, cols].float() * scale.float()[rows // bn, cols // bk]
+        saturated = (scaled.abs() > fmt.rounding_limit).sum()
+    q_zeros = total - torch.count_nonzero(codes)
+    x_zeros = total - torch.count_nonzero(x) if bool(q_zeros > 0) else q_zeros
+    smallest_scale = scale.float().min()
+    return QuantStats(
+        bound=fmt.max / smallest_scale,
+        scale=smallest_scale,
+        saturated_fraction=saturated.float() / total,
+        underflow_fraction=(q_zeros - x_zeros).float() / (total - x_zeros).clamp(min=1).float(),
+        nonfinite_count=torch.zeros((), dtype=torch.int64),
+        recalibrated=torch.ones((), device=x.device),
+    )
+
+
+def _max_code(fmt: Fp8Format) -> int:
+    """The magnitude byte of fp8_max (E4M3 0x7E, E5M2 0x7B); larger codes are inf or NaN."""
+    return int(torch.tensor(fmt.max).to(fmt.dtype).view(torch.uint8))
 
 
 def reference_stats(

@@ -59,6 +59,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_blockwise,
     quantize_per_row,
     quantize_with_scale_inv,
+    transposed_codes,
 )
 from megatron_fp8rl.models.family import DecoderLinear, ModelFamily
 from megatron_fp8rl.models.registry import family_for
@@ -247,20 +248,32 @@ class Fp8RLLinearMethod(LinearMethodBase):
         for name in names:
             if torch.isnan(getattr(layer, name)).any():
                 raise ValueError(f"{self.prefix}.{name} was not loaded (check the FP8 checkpoint names)")
+        layer.fp8rl_codes = self._exact_codes(layer)
         if self.block is None:
             scales = layer.weight_scale.detach()
             layer.fp8rl_uniform_weight_scale = bool((scales == scales[0]).all())
             widths = torch.tensor(layer.fp8rl_shards, device=scales.device)
             layer.fp8rl_row_scale_inv = scales.repeat_interleave(widths)[:, None].clone()
 
+    def _exact_codes(self, layer) -> torch.Tensor | None:
+        """An fp32 copy of the FP8 weight codes in the layout the 'exact' GEMM reads (per tensor
+        [N, K], `Fp8Tensor.dense`; block [K, N], `dense_t`), so decode steps do not convert the
+        whole weight again each call (the trainer's weight cache holds the same copies);
+        4 bytes per weight element, refreshed with every load. None where another GEMM runs."""
+        if resolve_gemm(self.config.gemm, layer.weight.device) != "exact":
+            return None
+        codes = layer.weight.detach()
+        return codes.float() if self.block is None else transposed_codes(codes)
+
     def _weight(self, layer) -> "Fp8Tensor | _Dequantized":
         if self.block is None:
             if layer.fp8rl_uniform_weight_scale:
-                return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor")
-            return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row")
+                return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor", dense=layer.fp8rl_codes)
+            return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row", dense=layer.fp8rl_codes)
         if all(width % self.block[0] == 0 for width in layer.fp8rl_shards[:-1]):
             # the shards' scale rows are then the fused weight's own block grid
-            return Fp8Tensor(layer.weight, layer.weight_scale_inv, "block", self.block)
+            return Fp8Tensor(layer.weight, layer.weight_scale_inv, "block", self.block,
+                             dense_t=layer.fp8rl_codes)
         pieces, row, scale_row = [], 0, 0
         for width, rows in zip(layer.fp8rl_shards, layer.fp8rl_scale_rows):
             pieces.append(dequantize_blockwise(layer.weight[row:row + width],

@@ -15,10 +15,12 @@ import torch
 
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
 from megatron_fp8rl.fp8.linear import Fp8Linear
-from megatron_fp8rl.fp8.quantize import finite_amax, quantize
-from megatron_fp8rl.fp8.quantizer import CalibratedQuantizer, frozen_quantizers
-from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
-from megatron_fp8rl.fp8.stats import quantization_stats, reference_stats
+from megatron_fp8rl.fp8.quantize import (
+    Fp8Tensor, dequantize_blockwise, finite_amax, quantize, quantize_blockwise_bounded,
+)
+from megatron_fp8rl.fp8.quantizer import BlockQuantizer, CalibratedQuantizer, frozen_quantizers
+from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, groupwise
+from megatron_fp8rl.fp8.stats import block_quantization_stats, quantization_stats, reference_stats
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +74,31 @@ def test_stats_match_reference(name, fmt, scale_factor):
         assert fast.saturated_fraction > 0 and fast.underflow_fraction > 0  # both counts exercised
 
 
+@pytest.mark.parametrize("name", list(_inputs()))
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("block", [(1, 128), (1, 32), (16, 32), (128, 128)])
+def test_block_stats_match_reference(name, fmt, block):
+    """Block statistics (from the FP8 bytes and either the quantization's block bounds or the
+    fp8_max elements) == the definition over the scales expanded to x's shape, for
+    quantize_blockwise's own scales and for scales 1.1x and 40x too large (saturating: the block
+    peaks only, or most elements)."""
+    x = _inputs()[name]
+    result, bounds = quantize_blockwise_bounded(x, fmt, block)
+    assert (bounds is None) == (name == "nonfinite")
+    for factor in (1.0, 1.1, 40.0):
+        scale_inv = result.scale_inv / factor
+        full = dequantize_blockwise(torch.ones(x.shape), scale_inv.reciprocal(), block)  # scales, [N, K]
+        q = Fp8Tensor(quantize(x, full, fmt), scale_inv, "block", block)
+        slow = reference_stats(x, full, q.data, fmt, True)
+        for fast in (block_quantization_stats(x, q, fmt), block_quantization_stats(x, q, fmt, bounds)):
+            for field in ("bound", "scale", "saturated_fraction", "underflow_fraction", "nonfinite_count",
+                          "recalibrated"):
+                assert _same(getattr(fast, field), getattr(slow, field)), (field, factor)
+        if name == "normal":  # both counts exercised
+            assert (slow.saturated_fraction > 0) == (factor > 1)
+            assert slow.underflow_fraction > 0 or factor > 1 or fmt is E5M2
+
+
 def _uncached(layer: Fp8Linear) -> Fp8Linear:
     reference = copy.deepcopy(layer)
     reference.fp8_quantizers.weight.cache = None
@@ -112,6 +139,44 @@ def test_weight_cache_is_bit_identical_across_steps(dtype):
         for role in ("input", "weight", "grad_output"):
             for key in ("amax_history", "scale"):
                 assert _same(state["quantizers"][role][key], ref_state["quantizers"][role][key])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_weight_cache_is_bit_identical_and_follows_updates(dtype):
+    """The groupwise weight's cached quantization (its [K, N] codes and dequantized values
+    included) gives the bits an uncached layer gives, forward and backward; the second
+    micro-batch reuses it, and an optimizer update (also one through .data, which skips the
+    version counter) replaces it."""
+    torch.manual_seed(3)
+    layer = Fp8Linear(300, 48, recipe=groupwise(), dtype=dtype)  # K = 300: a partial last group
+    reference = _uncached(layer)
+    cache = layer.fp8_quantizers.weight.cache
+    assert isinstance(layer.fp8_quantizers.weight, BlockQuantizer) and cache is not None
+    entries = []
+    for step in range(3):
+        for _ in range(2):
+            x, dy = torch.randn(3, 7, 300, dtype=dtype), torch.randn(3, 7, 48, dtype=dtype)
+            outputs = []
+            for module in (layer, reference):
+                xg = x.clone().requires_grad_()
+                y = module(xg)
+                y.backward(dy)
+                outputs.append((y, xg.grad, module.weight.grad, module.bias.grad))
+            for got, want in zip(*outputs):
+                assert _same(got, want), f"step {step}"
+            ours, theirs = layer.fp8_stats()["weight"], reference.fp8_stats()["weight"]
+            for field in ("scale", "bound", "underflow_fraction"):
+                assert _same(getattr(ours, field), getattr(theirs, field))
+            entries.append(cache.block_entry)
+        for module in (layer, reference):
+            with torch.no_grad():
+                if step % 2:
+                    module.weight.data.add_(module.weight.grad, alpha=-0.05)
+                else:
+                    module.weight.sub_(0.05 * module.weight.grad)
+            module.weight.grad = module.bias.grad = None
+    assert [e is entries[0] for e in entries[:2]] == [True, True]
+    assert len({id(e) for e in entries}) == 3  # one quantization per optimizer step
 
 
 def test_frozen_weight_quantizer_shares_the_cache_bit_identically():

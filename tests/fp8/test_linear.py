@@ -101,28 +101,46 @@ def test_exact_gemm_with_row_scales_is_row_invariant():
         torch.testing.assert_close(full, a.dequantize() @ b.dequantize().t(), rtol=1e-5, atol=1e-4)
 
 
+def _grouped_oracle(a, b, i, j, weight_block) -> float:
+    """y[i, j] of 'exact' on block operands by its definition: 0.0 plus, over the K groups in
+    order, the group's exact FP8 sum (Fraction arithmetic) times its two multipliers in fp64
+    (Python floats are IEEE fp64); the caller rounds it to fp32."""
+    width, total = a.block[1], 0.0
+    a_codes, b_codes = a.data[i].float().tolist(), b.data[j].float().tolist()
+    for g, start in enumerate(range(0, len(a_codes), width)):
+        exact = sum(Fraction(p) * Fraction(q) for p, q in
+                    zip(a_codes[start:start + width], b_codes[start:start + width]))
+        total += float(exact) * a.scale_inv[i, g].item() * b.scale_inv[j // weight_block[0], g].item()
+    return total
+
+
+def _fp32_bits(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.float64).float().view(torch.int32)
+
+
+def _block_rows(t, rows):
+    return Fp8Tensor(t.data[rows], t.scale_inv[rows], "block", t.block)
+
+
 @pytest.mark.parametrize("weight_block", [(1, 128), (128, 128)])
-def test_exact_gemm_with_group_scales_is_row_invariant(weight_block):
-    """1x128 activation groups x 1x128 or 128x128 weight blocks, K = 576 (a partial last group):
-    each output is the sum over groups, in K order, of the group's exact FP8 sum (oracle: Fraction
-    arithmetic) times its two multipliers, in fp64 (oracle: Python floats, which are IEEE fp64),
-    rounded once to fp32; a row alone or in a batch has the same bits."""
+@pytest.mark.parametrize("m,k", [(24, 576), (1, 576), (133, 300), (70, 128)])
+def test_exact_gemm_with_group_scales_is_row_invariant(weight_block, m, k):
+    """1x128 activation groups x 1x128 or 128x128 weight blocks (K = 576 and 300: a partial last
+    group; M = 1, and M = 133 across the row chunks of the computation): each output, bit for bit
+    (zero signs included: an all -0 row of x gives +0, as 0.0 + ... does), is the oracle's sum
+    rounded once to fp32; a row alone, in a batch or with the rows permuted has the same bits."""
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(24, 576, generator=gen) * torch.logspace(-2, 1, 576)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k)
+    x[m // 2] = -0.0
     a = quantize_blockwise(x, E4M3, (1, 128))
-    b = quantize_blockwise(torch.randn(130, 576, generator=gen) * 0.05, E4M3, weight_block)
+    b = quantize_blockwise(torch.randn(130, k, generator=gen) * 0.05, E4M3, weight_block)
     full = fp8_matmul_nt(a, b, "exact")
-    a_codes, b_codes = a.data.float().tolist(), b.data.float().tolist()
-    for i, j in ((0, 0), (7, 129), (23, 64)):
-        total = 0.0
-        for g in range(5):
-            exact = sum(Fraction(p) * Fraction(q) for p, q in
-                        zip(a_codes[i][g * 128:(g + 1) * 128], b_codes[j][g * 128:(g + 1) * 128]))
-            total += float(exact) * a.scale_inv[i, g].item() * b.scale_inv[j // weight_block[0], g].item()
-        assert full[i, j].item() == float(torch.tensor(total, dtype=torch.float64).float())
-    rows = [fp8_matmul_nt(Fp8Tensor(a.data[i:i + 1], a.scale_inv[i:i + 1], "block", (1, 128)), b, "exact")
-            for i in range(24)]
-    assert torch.equal(torch.cat(rows), full)
+    for i, j in {(0, 0), (m // 2, 3), (m - 1, 129), (m * 3 // 4, 64)}:
+        assert torch.equal(full[i, j].view(torch.int32), _fp32_bits(_grouped_oracle(a, b, i, j, weight_block)))
+    rows = [fp8_matmul_nt(_block_rows(a, slice(i, i + 1)), b, "exact") for i in range(m)]
+    assert torch.equal(torch.cat(rows).view(torch.int32), full.view(torch.int32))
+    perm = torch.randperm(m, generator=gen)
+    assert torch.equal(fp8_matmul_nt(_block_rows(a, perm), b, "exact").view(torch.int32), full[perm].view(torch.int32))
     torch.testing.assert_close(full, a.dequantize() @ b.dequantize().t(), rtol=1e-5, atol=1e-4)
 
 

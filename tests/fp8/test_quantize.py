@@ -17,6 +17,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_blockwise,
     quantize_per_row,
     quantize_per_tensor,
+    transposed_codes,
 )
 
 ORACLE_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -145,12 +146,17 @@ def test_per_row_matches_oracle(fmt):
     assert_same_codes(result.data, oracle_quantize(x.numpy(), scale, fmt), fmt)
 
 
-@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((5, 300), (1, 128))])
+@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((5, 300), (1, 128)), ((6, 576), (1, 128)),
+                                         ((4, 100), (1, 128)), ((3, 512), (1, 128))])
 def test_blockwise_matches_oracle(shape, block):
+    """Including 1x128 groups with a partial last group (quantized without padding) whose values
+    are all negative, or all zero."""
     fmt = formats.E4M3
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(*shape, generator=gen) * torch.rand(*shape, generator=gen).pow(4) * 100
     x[: block[0], : block[1]] = 0.0  # an all-zero block keeps scale 1
+    x[-1] = -x[-1].abs()
+    x[-2, -(shape[1] % 128 or 128):] = 0.0
     result = quantize_blockwise(x, fmt, block)
     nb, kb = math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
     assert result.scale_inv.shape == (nb, kb)
@@ -167,6 +173,14 @@ def test_blockwise_matches_oracle(shape, block):
     subnormal_step = result.scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     half_step = subnormal_step[: shape[0], : shape[1]] * fmt.min_subnormal / 2
     assert ((restored - x).abs() <= x.abs() * 2.0**-4 + half_step).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_transposed_codes_are_the_transposed_fp32_values(fmt):
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype)[torch.randperm(256)[:240]].reshape(16, 15)
+    got = transposed_codes(codes)
+    assert got.is_contiguous() and got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), codes.float().t().contiguous().view(torch.int32))
 
 
 def test_dequantize_blockwise_rejects_wrong_scale_shape():

@@ -114,6 +114,45 @@ def test_groupwise_plugin_equals_trainer_bit_for_bit(plugin, gemm, k):
     assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
 
 
+def _load(method, layer, shard_weights: dict, shard_scales: dict) -> None:
+    """A weight update as SGLang runs one: new FP8 data and scales through the loaders, then
+    process_weights_after_loading again (end_weight_update)."""
+    layer.weight.data.copy_(torch.cat(list(shard_weights.values())))
+    scale = layer.weight_scale_inv if method.block else layer.weight_scale
+    for shard, value in shard_scales.items():
+        scale.weight_loader(scale, value, shard)
+    method.process_weights_after_loading(layer)
+
+
+def _trainer_and_served(layout: str, x, weight, bias):
+    """(the trainer's 'batch_invariant' output, the FP8 shards, their scales, the input scale)."""
+    widths = list(SHARDS.values())
+    if layout == "groupwise":
+        trainer = fp8_linear(x, weight, bias, make_quantizers(groupwise()), "batch_invariant")[0]
+        served = dict(zip(SHARDS, (quantize_blockwise(w, E4M3, (1, 128)) for w in torch.split(weight, widths))))
+        return trainer, {n: q.data for n, q in served.items()}, {n: q.scale_inv for n, q in served.items()}, None
+    weight_scale_inv, input_scale_inv = weight.abs().max() / 448, x.abs().max() / 400
+    quantizers = frozen_quantizers(make_quantizers(CalibratedDelayedScaling()), weight_scale_inv, input_scale_inv)
+    trainer = fp8_linear(x, weight, bias, quantizers, "batch_invariant")[0]
+    data = torch.split(quantize_with_scale_inv(weight, weight_scale_inv, E4M3).data, widths)
+    return trainer, dict(zip(SHARDS, data)), dict.fromkeys(SHARDS, weight_scale_inv), input_scale_inv
+
+
+@pytest.mark.parametrize("layout", ["groupwise", "per_tensor"])
+def test_exact_plugin_follows_weight_updates_bit_for_bit(plugin, layout):
+    """'exact' reads an fp32 copy of the weight codes the method derives after each load: after a
+    weight update the plugin still equals the trainer on the new weights, decode rows included."""
+    x, _, bias = _inputs(5, k=320)
+    block, activations = ([1, 128], "dynamic") if layout == "groupwise" else (None, "static")
+    config = plugin.Fp8RLConfig(block, activations, [], gemm="batch_invariant")
+    trainer, shards, scales, input_scale = _trainer_and_served(layout, x, _inputs(6, k=320)[1], bias)
+    method, layer = _served(plugin, config, shards, scales, input_scale)
+    assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
+    trainer, shards, scales, _ = _trainer_and_served(layout, x, _inputs(7, k=320)[1], bias)
+    _load(method, layer, shards, scales)
+    assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
+
+
 def test_explicit_triton_gemm_refuses_per_token_activations(plugin):
     x, weight, bias = _inputs()
     scale = weight.abs().max() / 448
