@@ -144,7 +144,7 @@ def test_exact_plugin_follows_weight_updates_bit_for_bit(plugin, layout):
     weight update the plugin still equals the trainer on the new weights, decode rows included."""
     x, _, bias = _inputs(5, k=320)
     block, activations = ([1, 128], "dynamic") if layout == "groupwise" else (None, "static")
-    config = plugin.Fp8RLConfig(block, activations, [], gemm="batch_invariant")
+    config = plugin.Fp8RLConfig(LLAMA, block, activations, [], gemm="batch_invariant")
     trainer, shards, scales, input_scale = _trainer_and_served(layout, x, _inputs(6, k=320)[1], bias)
     method, layer = _served(plugin, config, shards, scales, input_scale)
     assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
