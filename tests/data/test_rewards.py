@@ -73,14 +73,16 @@ def test_a_closure_is_refused_by_name():
 
 
 def test_calls_run_concurrently_each_timed_from_its_own_start():
-    """8 calls of 0.6 s on 4 workers with a 1 s timeout: none times out (each is timed alone, not
-    from the batch start). 4 calls that hang time out together after ~1 s, not one after another."""
-    rewards, stats = score(_sleep_then_one, ["0.6"] * 8, ["1"] * 8, timeout_s=1.0, workers=4)
+    """8 calls of 2 s on 4 workers with a 3 s timeout: none times out (each is timed alone; timed
+    from the batch start, the second wave would end at 4 s). 4 calls that hang time out together
+    after ~3 s, not one after another. 1 s of margin: when an earlier test started multiprocessing's
+    forkserver, this module is not preloaded and each worker imports it (~0.5 s on a loaded box)."""
+    rewards, stats = score(_sleep_then_one, ["2"] * 8, ["1"] * 8, timeout_s=3.0, workers=4)
     assert rewards == [1.0] * 8 and stats.timeouts == 0
     start = time.perf_counter()
-    rewards, stats = score(_sleep_then_one, ["60"] * 4 + ["0"], ["1"] * 5, timeout_s=1.0, workers=4)
+    rewards, stats = score(_sleep_then_one, ["60"] * 4 + ["0"], ["1"] * 5, timeout_s=3.0, workers=4)
     assert stats.timeouts == 4 and rewards[-1] == 1.0
-    assert time.perf_counter() - start < 3.0  # one after another: over 4 s
+    assert time.perf_counter() - start < 8.0  # one after another: over 12 s
 
 
 def _sleep_then_one(response: str, answer: str) -> float:
