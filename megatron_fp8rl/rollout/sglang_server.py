@@ -42,7 +42,7 @@ from megatron_fp8rl.rollout.reaper import Reaper, die_with_parent
 from megatron_fp8rl.rollout.sglang_common import (
     ENGINE_ENV,
     SGLangConfig,
-    check_model_dir,
+    check_fp8_checkpoint,
     expand_prompts,
     parse_outputs,
     server_argv,
@@ -139,7 +139,7 @@ class SGLangServer:
         self.request_timeout_s = request_timeout_s
         self.retries = retries
         self.weight_transfer, self.bucket_bytes, self.devices = weight_transfer, int(bucket_mb * 2**20), devices
-        check_model_dir(config.model_path)
+        check_fp8_checkpoint(config)
         self.expected = ExpectedWeights.from_checkpoint(config.model_path)
         self.weight_version = config.initial_weight_version
         self._workdir = tempfile.TemporaryDirectory(prefix="sglang_server_")
@@ -311,12 +311,23 @@ class SGLangServer:
         distributed, see the class). A refused update raises before anything reaches the server."""
         checked = validate_named_tensors(named_tensors, self.expected)
         if self.weight_transfer == "distributed":
-            if self._sender is None:
-                self._sender = DistributedWeightSender(self._post, self.host, self.server_tp(), self.bucket_bytes)
-            self._sender.send(checked, version)
+            self._send_distributed(checked, version)
         else:
             self._update_from_disk(checked, version)
         self.weight_version = version
+
+    def _send_distributed(self, checked: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast over the weight-update group (formed on first use). A transfer that fails
+        leaves the group: its other end may be gone (a restarted server forms a new one on the
+        next update) or hold a half-received bucket."""
+        if self._sender is None:
+            self._sender = DistributedWeightSender(self._post, self.host, self.server_tp(), self.bucket_bytes)
+        try:
+            self._sender.send(checked, version)
+        except BaseException:
+            self._sender.close()
+            self._sender = None
+            raise
 
     def server_tp(self) -> int:
         """Tensor-parallel size of the server (its ranks join the weight-update group)."""
