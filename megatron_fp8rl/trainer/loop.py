@@ -71,7 +71,8 @@ def _start_engine(cfg: RunConfig):
                                      random_seed=cfg.train.seed, fp8=cfg.rollout.fp8,
                                      activation_scheme=cfg.rollout.activation_scheme,
                                      fp8_backend=cfg.rollout.fp8_backend,
-                                     deterministic=cfg.rollout.deterministic))
+                                     deterministic=cfg.rollout.deterministic),
+                        bucket_mb=cfg.rollout.bucket_mb)
 
 
 def _rollout_model_path(cfg: RunConfig) -> Path:
