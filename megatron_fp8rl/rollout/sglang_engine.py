@@ -45,7 +45,7 @@ from megatron_fp8rl.rollout.sglang_common import (
     parse_outputs,
     sglang_sampling,
 )
-from megatron_fp8rl.rollout.weight_transfer import buckets
+from megatron_fp8rl.rollout.weight_transfer import buckets, flatten_bucket
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
 
 
@@ -151,12 +151,22 @@ class SGLangEngine:
 
     def _update_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         """One update_weights_from_tensor call; the last (with `version`) flushes the KV cache.
-        Serializing copies the bucket into shared memory, freed when the call returns."""
+        The bucket travels as one flat buffer in shared memory (SGLang's flattened-bucket format):
+        one copy of its bytes and one shared segment, where a list of tensors cost a segment each
+        (measured at SmolLM2 size, fp32: 10.2 s/GB, 0.05x memcpy, per tensor)."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
+        ordered, flat = flatten_bucket(bucket, torch.device("cpu"), shared=True)
+        metadata, offset = [], 0
+        for name, tensor in ordered:
+            nbytes = tensor.numel() * tensor.element_size()
+            metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + nbytes, nbytes))
+            offset += nbytes
         request = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize([(n, t.detach().cpu().contiguous()) for n, t in bucket])],
+            serialized_named_tensors=[MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})],
+            load_format="flattened_bucket",
             flush_cache=version is not None,
             weight_version=version,
         )

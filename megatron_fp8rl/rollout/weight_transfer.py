@@ -47,17 +47,20 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
     return out
 
 
-def flatten_bucket(bucket: list[tuple[str, torch.Tensor]],
-                   device: torch.device) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device,
+                   shared: bool = False) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
     """The bucket's tensors ordered widest element first, and their bytes back to back in that
     order as one uint8 tensor on `device` (SGLang's flattened-bucket layout). The order keeps every
     tensor's byte offset a multiple of its element size, which the receiver requires (an fp32
     scale after an odd-sized FP8 weight would not be). A lone tensor already on `device` is sent
-    from its own storage, without a copy."""
+    from its own storage, without a copy. `shared`: the buffer is allocated in shared memory (CPU),
+    so handing it to another process copies nothing more."""
     ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: same order within a width
     if len(ordered) == 1 and ordered[0][1].device == device:
         return ordered, _bytes(ordered[0][1])
     flat = torch.empty(sum(t.numel() * t.element_size() for _, t in ordered), dtype=torch.uint8, device=device)
+    if shared:
+        flat.share_memory_()
     offset = 0
     for _, tensor in ordered:
         data = _bytes(tensor)
