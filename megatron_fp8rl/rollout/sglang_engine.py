@@ -45,6 +45,7 @@ from megatron_fp8rl.rollout.sglang_common import (
     parse_outputs,
     sglang_sampling,
 )
+from megatron_fp8rl.rollout.weight_transfer import buckets, flatten_bucket
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
 
 
@@ -58,8 +59,11 @@ _RETRIED_START_FAILURE = "scheduler died during initialization"
 class SGLangEngine:
     """`RolloutEngine` backed by `sglang.Engine` in this process."""
 
-    def __init__(self, config: SGLangConfig):
+    def __init__(self, config: SGLangConfig, bucket_mb: float = 512):
+        """`bucket_mb`: the largest group of tensors one `update_weights_from_tensor` call
+        carries (a larger tensor goes alone): each call copies its tensors into shared memory."""
         self.config = config
+        self.bucket_bytes = int(bucket_mb * 2**20)
         check_model_dir(config.model_path)
         check_fp8_checkpoint(config)
         self.expected = ExpectedWeights.from_checkpoint(config.model_path)
@@ -136,24 +140,41 @@ class SGLangEngine:
         A refused update raises `WeightUpdateError` and leaves the served weights unchanged."""
         self._check_resident("update_weights", ("weights",))
         checked = validate_named_tensors(named_tensors, self.expected)
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        request = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize([(n, t.detach().cpu().contiguous()) for n, t in checked])],
-            flush_cache=True,
-            weight_version=str(version),
-        )
-        manager = self._engine.tokenizer_manager if self._engine else None
+        parts = buckets(checked, self.bucket_bytes)
         self._expect_success("begin_weight_update", lambda: self._engine.begin_weight_update())
         try:
-            self._expect_success(
-                "update_weights_from_tensor",
-                lambda: self._engine.loop.run_until_complete(manager.update_weights_from_tensor(request, None)),
-            )
+            for index, bucket in enumerate(parts):
+                self._update_bucket(bucket, str(version) if index == len(parts) - 1 else None)
         finally:
             self._expect_success("end_weight_update", lambda: self._engine.end_weight_update())
         self.weight_version = version
+
+    def _update_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        """One update_weights_from_tensor call; the last (with `version`) flushes the KV cache.
+        The bucket travels as one flat buffer in shared memory (SGLang's flattened-bucket format):
+        one copy of its bytes and one shared segment, where a list of tensors cost a segment each
+        (measured at SmolLM2 size, fp32: 10.2 s/GB, 0.05x memcpy, per tensor)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        ordered, flat = flatten_bucket(bucket, torch.device("cpu"), shared=True)
+        metadata, offset = [], 0
+        for name, tensor in ordered:
+            nbytes = tensor.numel() * tensor.element_size()
+            metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + nbytes, nbytes))
+            offset += nbytes
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})],
+            load_format="flattened_bucket",
+            flush_cache=version is not None,
+            weight_version=version,
+        )
+        manager = self._engine.tokenizer_manager
+        self._expect_success(
+            "update_weights_from_tensor",
+            lambda: self._engine.loop.run_until_complete(manager.update_weights_from_tensor(request, None)),
+        )
 
     def _expect_success(self, what: str, call) -> None:
         result = self._run(what, call)

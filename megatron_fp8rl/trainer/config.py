@@ -199,8 +199,9 @@ class RolloutConfig:
         _check(disaggregated or self.weight_transfer == "tensor", "rollout.weight_transfer",
                f"{self.weight_transfer} is implemented for rollout.mode=disaggregated only; "
                "colocated uses tensor")
-        _check(not disaggregated or self.fp8 == "none", "rollout.fp8",
-               "FP8 rollouts are not yet wired to rollout.mode=disaggregated; use fp8=none there")
+        _check(not (self.server_url and self.fp8 != "none"), "rollout.fp8",
+               f"{self.fp8} with rollout.server_url: the server must serve the FP8 checkpoint this run "
+               "prepares (<run_dir>/rollout_fp8); leave server_url empty so the run starts it")
         _check(not (self.server_url and (self.server_devices or self.server_tp > 1)), "rollout.server_url",
                "a server reached by URL was started elsewhere: server_devices/server_tp do not apply")
 

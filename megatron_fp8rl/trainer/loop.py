@@ -61,28 +61,35 @@ def check_inputs(cfg: RunConfig) -> None:
 
 def _start_engine(cfg: RunConfig):
     """Rank 0: the rollout engine, serving from the first rollout on what every weight sync will
-    send: the HF checkpoint (rollout.fp8=none) or its FP8 export for rollout.fp8 (static input
-    scales calibrated on the first training prompts; trainer/rollout_fp8.py)."""
-    from transformers import AutoTokenizer
-
+    send (`_rollout_model_path`)."""
     from megatron_fp8rl.rollout.sglang_common import SGLangConfig
     from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
-    from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint
 
-    model_path = cfg.model.hf_path
-    if cfg.rollout.fp8 != "none":
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-        records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)[:16]
-        prompts = [tokenizer.decode(prompt_token_ids(r, tokenizer)) for r in records]
-        model_path = prepare_rollout_checkpoint(
-            Path(cfg.model.hf_path), Path(cfg.run_dir) / ROLLOUT_CHECKPOINT, cfg.rollout.fp8,
-            cfg.rollout.activation_scheme, cfg.model.fp8, prompts, cfg.model.recipe())
-    return SGLangEngine(SGLangConfig(model_path=str(model_path), dtype=cfg.rollout.dtype,
+    return SGLangEngine(SGLangConfig(model_path=str(_rollout_model_path(cfg)), dtype=cfg.rollout.dtype,
                                      max_total_tokens=cfg.rollout.max_total_tokens,
                                      random_seed=cfg.train.seed, fp8=cfg.rollout.fp8,
                                      activation_scheme=cfg.rollout.activation_scheme,
                                      fp8_backend=cfg.rollout.fp8_backend,
-                                     deterministic=cfg.rollout.deterministic))
+                                     deterministic=cfg.rollout.deterministic),
+                        bucket_mb=cfg.rollout.bucket_mb)
+
+
+def _rollout_model_path(cfg: RunConfig) -> Path:
+    """The checkpoint the rollout engine or server starts from: the HF checkpoint
+    (rollout.fp8=none) or its FP8 export for rollout.fp8 (static input scales calibrated on the
+    first training prompts; trainer/rollout_fp8.py)."""
+    from transformers import AutoTokenizer
+
+    from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint
+
+    if cfg.rollout.fp8 == "none":
+        return Path(cfg.model.hf_path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)[:16]
+    prompts = [tokenizer.decode(prompt_token_ids(r, tokenizer)) for r in records]
+    return prepare_rollout_checkpoint(
+        Path(cfg.model.hf_path), Path(cfg.run_dir) / ROLLOUT_CHECKPOINT, cfg.rollout.fp8,
+        cfg.rollout.activation_scheme, cfg.model.fp8, prompts, cfg.model.recipe())
 
 
 def _start_server(cfg: RunConfig):
@@ -92,9 +99,10 @@ def _start_server(cfg: RunConfig):
     from megatron_fp8rl.rollout.sglang_server import SGLangServer
 
     rollout, run_dir = cfg.rollout, Path(cfg.run_dir)
-    config = SGLangConfig(model_path=cfg.model.hf_path, dtype=rollout.dtype,
+    config = SGLangConfig(model_path=str(_rollout_model_path(cfg)), dtype=rollout.dtype,
                           max_total_tokens=rollout.max_total_tokens, random_seed=cfg.train.seed,
-                          deterministic=rollout.deterministic,
+                          deterministic=rollout.deterministic, fp8=rollout.fp8,
+                          activation_scheme=rollout.activation_scheme, fp8_backend=rollout.fp8_backend,
                           extra={"tp_size": rollout.server_tp} if rollout.server_tp > 1 else {})
     return SGLangServer(config, url=rollout.server_url or None, weight_transfer=rollout.weight_transfer,
                         bucket_mb=rollout.bucket_mb, devices=rollout.server_devices or None,

@@ -4,8 +4,8 @@ Oracle: transformers in fp32 with the checkpoint's FP8 weights dequantized and e
 linear's input quantized-dequantized by hooks, with plain torch float8 casts
 (tests/rollout/fp8_reference.py). Checkpoints come from convert/fp8_export.py: per-tensor static
 and per-tensor dynamic (tiny Qwen3), blockwise 128x128 (tiny Llama, whose loader renames
-weight_scale_inv). Also: a quantized weight sync is served, and bad updates are refused while the
-engine keeps serving. Each test starts one SGLang engine (scheduler + detokenizer processes).
+weight_scale_inv). Also: a quantized weight sync is served (sent in several buckets), and bad
+updates are refused while the engine keeps serving. Each test starts one SGLang engine (scheduler + detokenizer processes).
 """
 import pytest
 import torch
@@ -13,6 +13,7 @@ import torch
 from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.rollout.engine import SamplingParams, WeightUpdateError
+from megatron_fp8rl.rollout.weight_transfer import buckets
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
 from tests.rollout.conftest import needs_sglang, sglang_config
 from tests.rollout.fp8_reference import apply_fp8
@@ -45,12 +46,12 @@ def _export(hf_dir, out, family_scheme: str):
     return out
 
 
-def _engine(fp8_dir, scheme: str):
+def _engine(fp8_dir, scheme: str, bucket_mb: float = 512):
     from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
 
     fp8 = "blockwise" if scheme == "block" else "per_tensor"
     return SGLangEngine(sglang_config(fp8_dir, fp8=fp8, activation_scheme=scheme.split("_")[-1]
-                                      if scheme != "block" else "dynamic"))
+                                      if scheme != "block" else "dynamic"), bucket_mb=bucket_mb)
 
 
 def _differences(samples, model) -> torch.Tensor:
@@ -88,7 +89,7 @@ def test_fp8_checkpoint_matches_oracle(tiny_dirs, tmp_path, family, scheme):
 @pytest.fixture(scope="module")
 def dynamic_engine(tiny_dirs, tmp_path_factory):
     fp8_dir = _export(tiny_dirs["qwen3"], tmp_path_factory.mktemp("fp8") / "dyn", "tensor_dynamic")
-    engine = _engine(fp8_dir, "tensor_dynamic")
+    engine = _engine(fp8_dir, "tensor_dynamic", bucket_mb=0.02)  # weight syncs in several calls
     yield engine, fp8_dir
     engine.shutdown()
 
@@ -107,6 +108,7 @@ def test_quantized_weight_sync_is_served(dynamic_engine, tiny_dirs):
     new_weights = random_state_dict(tiny_dirs["qwen3"], seed=11)
     sent = dict(rollout_tensors(new_weights.items(), num_layers=2, rollout_fp8="per_tensor"))
     assert sent["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert len(buckets(sent.items(), engine.bucket_bytes)) > 3
     engine.update_weights(sent.items(), version=3)
     after = engine.generate(PROMPTS, SAMPLING, n=2)
     assert all(s.weight_version == 3 for s in after)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from megatron_fp8rl.rollout.engine import WeightUpdateError
+from megatron_fp8rl.rollout import weights
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
 from tests.rollout.tiny_models import build_tiny_model, load_hf
 
@@ -46,6 +47,18 @@ def test_fused_name_is_refused_and_points_at_its_shards(qwen3_dir):
 def test_bad_tensor_is_refused_naming_it(qwen3_dir, tensor, message):
     expected = ExpectedWeights.from_checkpoint(qwen3_dir)
     with pytest.raises(WeightUpdateError, match=rf"'lm_head.weight'.*{message}"):
+        validate_named_tensors([("lm_head.weight", tensor)], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_value_in_the_last_chunk_is_found(qwen3_dir, monkeypatch, dtype):
+    """The finite check sums in chunks (bounded upcast memory); a NaN in the last, partial chunk
+    of a tensor counts as much as one in the first."""
+    monkeypatch.setattr(weights, "FINITE_CHUNK", 1000)
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    tensor = torch.zeros(128, 64, dtype=dtype)
+    tensor[-1, -1] = float("nan")
+    with pytest.raises(WeightUpdateError, match="'lm_head.weight' has non-finite values"):
         validate_named_tensors([("lm_head.weight", tensor)], expected)
 
 
