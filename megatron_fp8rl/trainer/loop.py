@@ -62,16 +62,20 @@ def check_inputs(cfg: RunConfig) -> None:
 def _start_engine(cfg: RunConfig):
     """Rank 0: the rollout engine, serving from the first rollout on what every weight sync will
     send (`_rollout_model_path`)."""
-    from megatron_fp8rl.rollout.sglang_common import SGLangConfig
     from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
 
-    return SGLangEngine(SGLangConfig(model_path=str(_rollout_model_path(cfg)), dtype=cfg.rollout.dtype,
-                                     max_total_tokens=cfg.rollout.max_total_tokens,
-                                     random_seed=cfg.train.seed, fp8=cfg.rollout.fp8,
-                                     activation_scheme=cfg.rollout.activation_scheme,
-                                     fp8_backend=cfg.rollout.fp8_backend,
-                                     deterministic=cfg.rollout.deterministic),
-                        bucket_mb=cfg.rollout.bucket_mb)
+    return SGLangEngine(_sglang_config(cfg), bucket_mb=cfg.rollout.bucket_mb)
+
+
+def _sglang_config(cfg: RunConfig, **extra):
+    """The one translation of the rollout section into the SGLang engine's or server's config."""
+    from megatron_fp8rl.rollout.sglang_common import SGLangConfig
+
+    rollout = cfg.rollout
+    return SGLangConfig(model_path=str(_rollout_model_path(cfg)), dtype=rollout.dtype,
+                        max_total_tokens=rollout.max_total_tokens, random_seed=cfg.train.seed,
+                        deterministic=rollout.deterministic, fp8=rollout.fp8,
+                        activation_scheme=rollout.activation_scheme, fp8_backend=rollout.fp8_backend, **extra)
 
 
 def _rollout_model_path(cfg: RunConfig) -> Path:
@@ -95,15 +99,10 @@ def _rollout_model_path(cfg: RunConfig) -> Path:
 def _start_server(cfg: RunConfig):
     """Rank 0, rollout.mode=disaggregated: an SGLang server subprocess (on rollout.server_devices)
     or the server at rollout.server_url, fed by rollout.weight_transfer (distributed or disk)."""
-    from megatron_fp8rl.rollout.sglang_common import SGLangConfig
     from megatron_fp8rl.rollout.sglang_server import SGLangServer
 
     rollout, run_dir = cfg.rollout, Path(cfg.run_dir)
-    config = SGLangConfig(model_path=str(_rollout_model_path(cfg)), dtype=rollout.dtype,
-                          max_total_tokens=rollout.max_total_tokens, random_seed=cfg.train.seed,
-                          deterministic=rollout.deterministic, fp8=rollout.fp8,
-                          activation_scheme=rollout.activation_scheme, fp8_backend=rollout.fp8_backend,
-                          extra={"tp_size": rollout.server_tp} if rollout.server_tp > 1 else {})
+    config = _sglang_config(cfg, extra={"tp_size": rollout.server_tp} if rollout.server_tp > 1 else {})
     return SGLangServer(config, url=rollout.server_url or None, weight_transfer=rollout.weight_transfer,
                         bucket_mb=rollout.bucket_mb, devices=rollout.server_devices or None,
                         update_dir=run_dir / "weight_updates", log_path=run_dir / "sglang_server.log")
