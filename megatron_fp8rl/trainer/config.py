@@ -140,8 +140,9 @@ class RolloutConfig:
     """Rollout FP8 (one of ROLLOUT_FP8): none (serve `dtype`); blockwise (128x128 weight blocks,
     1x128 activation groups: SGLang's native FP8 format); per_tensor (per-tensor weights,
     activations per `activation_scheme`); aligned (the trainer's own FP8 weights and bounds, so
-    trainer and rollout quantize bit-identically; needs model.fp8 in ALIGNED_RECIPES: groupwise,
-    within 1 point of float32's accuracy, or a per-tensor recipe such as calibrated)."""
+    trainer and rollout quantize bit-identically; needs model.fp8 in ALIGNED_RECIPES: groupwise
+    (step-0 accuracy within 1 point of float32 on mul/mul2, 5 points lower on add/mul; README), or
+    a per-tensor recipe such as calibrated)."""
     activation_scheme: str = "dynamic"
     """per_tensor activations: dynamic (per-token scales) or static (calibrated input_scale)."""
     fp8_backend: str = "ours"
