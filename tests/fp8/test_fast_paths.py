@@ -105,6 +105,30 @@ def _uncached(layer: Fp8Linear) -> Fp8Linear:
     return reference
 
 
+def _same_forward_backward(layer: Fp8Linear, reference: Fp8Linear, x: torch.Tensor, dy: torch.Tensor, step: int) -> None:
+    """Both layers give the same bits: output, input/weight/bias gradients."""
+    outputs = []
+    for module in (layer, reference):
+        xg = x.clone().requires_grad_()
+        y = module(xg)
+        y.backward(dy)
+        outputs.append((y, xg.grad, module.weight.grad, module.bias.grad))
+    for got, want in zip(*outputs):
+        assert _same(got, want), f"step {step}"
+
+
+def _sgd_step(step: int, *modules: Fp8Linear) -> None:
+    """One plain update of each module's weight, alternating in place and through .data (which
+    skips the version counter: a weight cache must still see it)."""
+    for module in modules:
+        with torch.no_grad():
+            if step % 2:
+                module.weight.data.add_(module.weight.grad, alpha=-0.05)
+            else:
+                module.weight.sub_(0.05 * module.weight.grad)
+        module.weight.grad = module.bias.grad = None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_cache_is_bit_identical_across_steps(dtype):
     torch.manual_seed(1)
@@ -114,27 +138,13 @@ def test_weight_cache_is_bit_identical_across_steps(dtype):
     assert layer.fp8_quantizers.weight.cache is not None
     for step in range(4):
         for _ in range(2):  # two micro-batches: the second reuses the cached weight
-            x = torch.randn(5, 7, 96, dtype=dtype)
-            dy = torch.randn(5, 7, 48, dtype=dtype)
-            outputs = []
-            for module in (layer, reference):
-                xg = x.clone().requires_grad_()
-                y = module(xg)
-                y.backward(dy)
-                outputs.append((y, xg.grad, module.weight.grad, module.bias.grad))
-            for got, want in zip(*outputs):
-                assert _same(got, want), f"step {step}"
+            _same_forward_backward(layer, reference, torch.randn(5, 7, 96, dtype=dtype),
+                                   torch.randn(5, 7, 48, dtype=dtype), step)
             for role, stats in layer.fp8_stats().items():
                 other = reference.fp8_stats()[role]
                 assert _same(stats.scale, other.scale) and _same(stats.recalibrated, other.recalibrated)
                 assert _same(stats.underflow_fraction, other.underflow_fraction)
-        for module in (layer, reference):
-            with torch.no_grad():
-                if step % 2:  # through .data: no version-counter bump, the cache must still see it
-                    module.weight.data.add_(module.weight.grad, alpha=-0.05)
-                else:
-                    module.weight.sub_(0.05 * module.weight.grad)
-            module.weight.grad = module.bias.grad = None
+        _sgd_step(step, layer, reference)
         state, ref_state = layer.get_extra_state(), reference.get_extra_state()
         for role in ("input", "weight", "grad_output"):
             for key in ("amax_history", "scale"):
@@ -155,26 +165,13 @@ def test_block_weight_cache_is_bit_identical_and_follows_updates(dtype):
     entries = []
     for step in range(3):
         for _ in range(2):
-            x, dy = torch.randn(3, 7, 300, dtype=dtype), torch.randn(3, 7, 48, dtype=dtype)
-            outputs = []
-            for module in (layer, reference):
-                xg = x.clone().requires_grad_()
-                y = module(xg)
-                y.backward(dy)
-                outputs.append((y, xg.grad, module.weight.grad, module.bias.grad))
-            for got, want in zip(*outputs):
-                assert _same(got, want), f"step {step}"
+            _same_forward_backward(layer, reference, torch.randn(3, 7, 300, dtype=dtype),
+                                   torch.randn(3, 7, 48, dtype=dtype), step)
             ours, theirs = layer.fp8_stats()["weight"], reference.fp8_stats()["weight"]
             for field in ("scale", "bound", "underflow_fraction"):
                 assert _same(getattr(ours, field), getattr(theirs, field))
             entries.append(cache.block_entry)
-        for module in (layer, reference):
-            with torch.no_grad():
-                if step % 2:
-                    module.weight.data.add_(module.weight.grad, alpha=-0.05)
-                else:
-                    module.weight.sub_(0.05 * module.weight.grad)
-            module.weight.grad = module.bias.grad = None
+        _sgd_step(step, layer, reference)
     assert [e is entries[0] for e in entries[:2]] == [True, True]
     assert len({id(e) for e in entries}) == 3  # one quantization per optimizer step
 
