@@ -70,19 +70,21 @@ L0_EXTRA = {"fp8/triton_gemm.py": {"triton"}}
 """The one L0 module that may import more: the Triton FP8 GEMM (fp8/linear.py imports it lazily)."""
 
 
+def _imports(source: str):
+    """(import node, the module names it imports) for every import of `source`, lazy ones too;
+    `from m import x` counts as m."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield node, [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node, [node.module]
+
+
 def third_party_violations(source: str, allowed: set[str] = frozenset()) -> list[str]:
     """Imports of an L0 module outside the standard library, torch, numpy and `allowed` (lazy
     ones count)."""
-    bad = []
-    for node in ast.walk(ast.parse(source)):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module]
-        bad += [f"line {node.lineno}: imports {n}" for n in names
-                if n.split(".")[0] not in L0_THIRD_PARTY | allowed]
-    return bad
+    return [f"line {node.lineno}: imports {n}" for node, names in _imports(source) for n in names
+            if n.split(".")[0] not in L0_THIRD_PARTY | allowed]
 
 
 PURE_FAMILY_MODULES = ("models/__init__.py", "models/family.py", "models/registry.py") + tuple(
@@ -122,14 +124,10 @@ def test_layer0_imports_only_torch_and_stdlib(path: Path):
 def impure_family_imports(source: str) -> list[str]:
     """Imports of a family module other than the standard library and PURE_FAMILY_MODULES."""
     bad = []
-    for node in ast.walk(ast.parse(source)):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module]
-            if (PACKAGE / node.module.removeprefix("megatron_fp8rl.").replace(".", "/")).is_dir():
-                names = [f"{node.module}.{alias.name}" for alias in node.names]  # from a package
+    for node, names in _imports(source):
+        if isinstance(node, ast.ImportFrom) and (PACKAGE / names[0].removeprefix("megatron_fp8rl.")
+                                                 .replace(".", "/")).is_dir():
+            names = [f"{node.module}.{alias.name}" for alias in node.names]  # from a package
         bad += [f"line {node.lineno}: imports {n}" for n in names
                 if n.split(".")[0] not in sys.stdlib_module_names and _module_file(n) not in PURE_FAMILY_MODULES]
     return bad
