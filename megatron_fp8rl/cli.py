@@ -76,6 +76,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from megatron_fp8rl.config.loader import load_config
     from megatron_fp8rl.launch import init_distributed, shutdown_distributed
+    from megatron_fp8rl.rl.metrics import eval_verdict
     from megatron_fp8rl.trainer.config import RunConfig
     from megatron_fp8rl.trainer.loop import train
     from megatron_fp8rl.trainer.stop import StopRequested
@@ -93,6 +94,7 @@ def _train(args: argparse.Namespace) -> int:
         shutdown_distributed()
     if layout.rank == 0:
         print(json.dumps(summary, indent=2))
+        print(eval_verdict(summary))
     return 0
 
 

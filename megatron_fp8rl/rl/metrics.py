@@ -136,3 +136,18 @@ def paired_eval_change(before: list[bool], after: list[bool]) -> dict[str, float
     n = gained + lost
     tail = sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2 ** n if n else 0.5
     return {"gained": float(gained), "lost": float(lost), "mcnemar_p": min(1.0, 2 * tail)}
+
+
+def eval_verdict(summary: dict, alpha: float = 0.01) -> str:
+    """One plain sentence on whether a run's held-out greedy accuracy changed, read from the run
+    summary (eval/accuracy_start, eval/accuracy, eval/gained, eval/lost, eval/mcnemar_p): it
+    learned or got worse only when the paired McNemar test says so at `alpha`."""
+    keys = ("eval/accuracy_start", "eval/accuracy", "eval/gained", "eval/lost", "eval/mcnemar_p")
+    if any(key not in summary for key in keys):
+        return "verdict: no held-out eval ran at both the start and the end (data.eval_size or train.eval_every), so no verdict"
+    start, end, gained, lost, p = (summary[key] for key in keys)
+    change = (f"held-out greedy accuracy {start:.3f} -> {end:.3f} ({int(gained)} problems gained, "
+              f"{int(lost)} lost, McNemar p = {p:.2g})")
+    if p >= alpha:
+        return f"verdict: no significant change at p < {alpha:g}: {change}"
+    return f"verdict: {'the model learned' if gained > lost else 'the model got worse'}: {change}"

@@ -5,7 +5,7 @@ import pytest
 
 import torch
 
-from megatron_fp8rl.rl.metrics import clip_metrics, entropy_metrics, mismatch_metrics
+from megatron_fp8rl.rl.metrics import clip_metrics, entropy_metrics, eval_verdict, mismatch_metrics
 
 
 def test_clip_metrics_hand_case():
@@ -68,3 +68,17 @@ def test_paired_eval_change_counts_and_exact_mcnemar():
     assert paired_eval_change([False] * 3, [True, True, False])["mcnemar_p"] == 0.5  # 2 * 1/4
     with pytest.raises(ValueError, match="2 results before, 3 after"):
         paired_eval_change([True, False], [True, False, True])
+
+
+def test_eval_verdict_follows_the_paired_test_not_the_accuracy_gap():
+    summary = {"eval/accuracy_start": 0.18, "eval/accuracy": 0.46, "eval/gained": 63.0, "eval/lost": 7.0,
+               "eval/mcnemar_p": 2.3e-12}
+    assert eval_verdict(summary) == ("verdict: the model learned: held-out greedy accuracy 0.180 -> 0.460 "
+                                     "(63 problems gained, 7 lost, McNemar p = 2.3e-12)")
+    worse = dict(summary, **{"eval/accuracy": 0.065, "eval/gained": 3.0, "eval/lost": 24.0, "eval/mcnemar_p": 4.9e-5})
+    assert eval_verdict(worse).startswith("verdict: the model got worse: ")
+    # 9 gained against 2 lost (p = 0.065) is not significant at 0.01
+    noise = dict(summary, **{"eval/accuracy": 0.2, "eval/gained": 9.0, "eval/lost": 2.0, "eval/mcnemar_p": 0.065})
+    assert eval_verdict(noise).startswith("verdict: no significant change at p < 0.01: ")
+    assert eval_verdict(noise, alpha=0.1).startswith("verdict: the model learned")
+    assert "no verdict" in eval_verdict({"eval/accuracy": 0.2})

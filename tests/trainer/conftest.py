@@ -9,6 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_fp8rl.compat.tcp_store import free_port
+from megatron_fp8rl.rl.metrics import eval_verdict
 from tests.rollout.tiny_models import build_tiny_rl_inputs
 from tests.torchrun import run_torchrun
 
@@ -42,7 +43,9 @@ def run_train(inputs, run_dir: Path, nproc: int, *overrides: str) -> dict:
     """Run `train` to the end under torchrun with `nproc` processes; returns its summary."""
     output = run_torchrun(CLI, nproc, "train", *base_train_args(*inputs), f"run_dir={run_dir}", *overrides,
                           timeout=900)
-    return json.loads(re.search(r"^\{.*?^\}", output, re.S | re.M).group(0))
+    summary = json.loads(re.search(r"^\{.*?^\}", output, re.S | re.M).group(0))
+    assert eval_verdict(summary) in output.splitlines(), "the run's last words are its eval verdict"
+    return summary
 
 
 def tb_scalars(run_dir: Path) -> dict[str, list[float]]:
