@@ -40,6 +40,10 @@ aligned rollouts bit-identical to the trainer); sglang: SGLang's native `fp8` ke
 CPU with AMX): faster, same checkpoint format, not bit-aligned with the trainer."""
 
 
+CPU_WATCHDOG_TIMEOUT_S = 3600.0
+"""SGLang's scheduler watchdog on the CPU tier: the longest one forward batch may take."""
+
+
 @dataclass(frozen=True)
 class SGLangConfig:
     """How to start SGLang for rollouts."""
@@ -166,7 +170,11 @@ def engine_kwargs(config: SGLangConfig) -> dict:
         # sleep_on_idle: an idle scheduler otherwise busy-polls its sockets on a whole core, which
         # in colocated mode halved the trainer's CPU while it trained (measured: the scheduler at
         # ~1 core through the whole train phase of the demo).
-        kwargs.update(attention_backend="torch_native", disable_cuda_graph=True, sleep_on_idle=True)
+        # watchdog_timeout: SGLang kills its scheduler when one forward batch takes longer (300 s
+        # by default). On a loaded 2-core box the demo's first eval batch (92 prompts, groupwise
+        # FP8) passed 300 s and the run died; a CPU forward that slow is load, not a hang.
+        kwargs.update(attention_backend="torch_native", disable_cuda_graph=True, sleep_on_idle=True,
+                      watchdog_timeout=CPU_WATCHDOG_TIMEOUT_S)
     if config.attention_backend is not None:
         kwargs["attention_backend"] = config.attention_backend
     if config.max_total_tokens is not None:

@@ -87,6 +87,24 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
         SGLangServer(sglang_config(tmp_path / "nope"))
 
 
+def test_cpu_scheduler_outlasts_a_slow_forward_batch():
+    """SGLang's watchdog kills the scheduler when one forward batch passes watchdog_timeout (300 s
+    by default): on a loaded 2-core box the demo's first eval batch did. SGLang's own argument
+    parser must read our CPU servers' timeout back."""
+    import argparse
+
+    from megatron_fp8rl.compat import sglang_cpu
+    from megatron_fp8rl.rollout.sglang_common import CPU_WATCHDOG_TIMEOUT_S, SGLangConfig, server_argv
+
+    sglang_cpu.install()
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = server_argv(SGLangConfig(model_path="unused", device="cpu"), "127.0.0.1", 1)
+    assert parser.parse_args(argv).watchdog_timeout == CPU_WATCHDOG_TIMEOUT_S >= 1800
+
+
 @pytest.mark.slow
 def test_unloadable_model_directory_reports_the_server_log(tiny_dirs, tmp_path):
     broken = tmp_path / "broken"
