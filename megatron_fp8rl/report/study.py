@@ -54,8 +54,8 @@ OPTIONAL = (
                                      "algorithm.correction=tis", "algorithm.noise_correction=true")),
 )
 
-# The job every setting runs: the CPU demo's task (examples/cpu_demo.yaml: 1-digit and 2-digit by
-# 1-digit multiplication, two optimizer steps per RL step), smaller, at lr 2e-5. Dynamic sampling is
+# The job every setting runs: 1-digit and 2-digit by 1-digit multiplication (the CPU demo's task
+# until issue 19 moved it to add/mul), two optimizer steps per RL step, at lr 2e-5. Dynamic sampling is
 # off so every setting trains on the same prompt stream (it draws extra prompts depending on
 # rewards, which differ between settings). Sized for <= 60 minutes for all 8 settings on a quiet
 # 2-core CPU with SmolLM2-135M. Measured (issue #8 note): 270 s for a float32 setting, ~405 s with
