@@ -16,7 +16,7 @@ from megatron_fp8rl.cli import main
 from megatron_fp8rl.report.logs import ReportError, load_run
 from megatron_fp8rl.report.markdown import final_figures, verdict
 from megatron_fp8rl.report.plots import fp8_layer_matrix
-from tests.report.conftest import assert_png
+from tests.helpers.png import assert_png
 
 LAYERS = [f"module.decoder.layers.{i}.mlp.linear_fc1" for i in (0, 1, 2, 10)]
 RATIO_NAMES = ("min", "p01", "p10", "p50", "p90", "p99", "max")

@@ -15,7 +15,7 @@ from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.objective import Objective
-from tests.rollout.tiny_models import build_tiny_model
+from tests.helpers.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")
