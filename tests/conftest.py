@@ -1,7 +1,21 @@
 """Fixtures every test folder may use. Helpers that test modules share are plain functions in
 tests/helpers/, imported explicitly."""
+import socket
+
 import pytest
 import torch
+
+from tests.helpers.network import guarded
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch):
+    """Fail a test whose process connects a socket to anything but loopback (SGLang servers,
+    gloo and TCPStores here all listen on 127.0.0.1). Guards this process; the processes a test
+    starts are not patched."""
+    monkeypatch.setattr(socket.socket, "connect", guarded(socket.socket.connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", guarded(socket.socket.connect_ex))
+    yield
 
 
 @pytest.fixture(autouse=True)
