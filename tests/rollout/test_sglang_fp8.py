@@ -2,7 +2,7 @@
 
 Oracle: transformers in fp32 with the checkpoint's FP8 weights dequantized and every quantized
 linear's input quantized-dequantized by hooks, with plain torch float8 casts
-(tests/rollout/fp8_reference.py). Checkpoints come from convert/fp8_export.py: per-tensor static
+(tests/helpers/fp8_reference.py). Checkpoints come from convert/fp8_export.py: per-tensor static
 and per-tensor dynamic (tiny Qwen3), blockwise 128x128 (tiny Llama, whose loader renames
 weight_scale_inv). Also: a quantized weight sync is served (sent in several buckets), and bad
 updates are refused while the engine keeps serving. Each test starts one SGLang engine (scheduler + detokenizer processes).
