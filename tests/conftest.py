@@ -1,24 +1,21 @@
-"""Shared pytest fixtures and helpers. Multi-process helpers live in tests/torchrun.py."""
-import ctypes
-import os
+"""Fixtures every test folder may use. Helpers that test modules share are plain functions in
+tests/helpers/, imported explicitly."""
+import socket
 
 import pytest
 import torch
 
-_PR_CAPBSET_DROP = 24
-_PERMISSION_BYPASSES = (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+from tests.helpers.network import guarded
 
 
-def meet_permission_bits() -> None:
-    """Popen preexec_fn: the child meets file permission bits even when the tests run as root
-    (CI containers do), by dropping the capabilities that bypass them from its bounding set
-    before exec; for any other user a no-op. Raises when the drop is refused."""
-    if os.geteuid() != 0:
-        return
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    for capability in _PERMISSION_BYPASSES:
-        if libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), f"cannot drop capability {capability}")
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch):
+    """Fail a test whose process connects a socket to anything but loopback (SGLang servers,
+    gloo and TCPStores here all listen on 127.0.0.1). Guards this process; the processes a test
+    starts are not patched."""
+    monkeypatch.setattr(socket.socket, "connect", guarded(socket.socket.connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", guarded(socket.socket.connect_ex))
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_fp8rl.cli import build_parser
-from tests.torchrun import run_torchrun
+from tests.helpers.processes import run_torchrun
 
 CLI = Path(__file__).resolve().parents[1] / "megatron_fp8rl" / "cli.py"
 

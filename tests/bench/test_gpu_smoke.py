@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.torchrun import REPO
+from tests.helpers.processes import REPO
 
 GPU_MACHINE_PACKAGES = {
     # torch 2.11 and the packages its wheel depends on

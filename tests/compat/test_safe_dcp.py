@@ -112,7 +112,7 @@ def test_truncated_metadata_names_the_file(tmp_path):
 def test_cli_refuses_crafted_metadata(tmp_path, command):
     """The command-line converters (a fresh process each) refuse it too; the HF config beside it
     is genuine so the metadata is the first thing read."""
-    from tests.models.tiny_hf import save_tiny_hf
+    from tests.helpers.tiny_hf import save_tiny_hf
 
     folder = tmp_path / "ckpt"
     save_tiny_hf("qwen2", folder / "hf")

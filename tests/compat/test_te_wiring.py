@@ -14,7 +14,7 @@ from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling
 from megatron_fp8rl.models.hf import check_fp8_backend, te_fp8_overrides, transformer_config_from_hf
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.loop import check_inputs
-from tests.models.tiny_hf import tiny_hf_config
+from tests.helpers.tiny_hf import tiny_hf_config
 
 EXPECTED_FIELDS = {
     "calibrated": {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 1, "fp8_amax_history_len": 4,
@@ -127,7 +127,7 @@ def test_aligned_rollouts_build_the_trainer_on_the_batch_invariant_gemm(megatron
     from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
     from megatron_fp8rl.models.hf import build_model_from_hf
     from megatron_fp8rl.trainer.config import RunConfig
-    from tests.models.tiny_hf import tiny_hf_config
+    from tests.helpers.tiny_hf import tiny_hf_config
 
     base = ["model.hf_path=/x", "model.fp8=calibrated"]
     aligned = load_config(RunConfig, None, [*base, "rollout.fp8=aligned"])

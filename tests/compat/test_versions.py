@@ -9,7 +9,7 @@ import torch
 
 from megatron_fp8rl.compat import versions
 from megatron_fp8rl.compat.versions import ALLOW_ENV, UntestedVersionError
-from tests.torchrun import REPO
+from tests.helpers.processes import REPO
 
 
 @pytest.fixture

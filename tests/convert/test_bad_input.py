@@ -20,9 +20,8 @@ from megatron_fp8rl.convert.outputs import OutputExistsError, OutputOverlapsInpu
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.family import UnsupportedModelError
 from megatron_fp8rl.models.hf import build_model_from_hf
-from tests.conftest import meet_permission_bits
-from tests.models.tiny_hf import save_tiny_hf
-from tests.torchrun import REPO
+from tests.helpers.processes import REPO, meet_permission_bits
+from tests.helpers.tiny_hf import save_tiny_hf
 
 K_PROJ = "model.layers.1.self_attn.k_proj.weight"
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron, read_chunk
 from megatron_fp8rl.convert.safetensors_io import HFCheckpoint
 from megatron_fp8rl.models.hf import build_model_from_hf
-from tests.models.tiny_hf import save_tiny_hf
+from tests.helpers.tiny_hf import save_tiny_hf
 
 
 @pytest.fixture(scope="module")

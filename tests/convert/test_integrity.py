@@ -12,7 +12,7 @@ from megatron_fp8rl.convert.integrity import MANIFEST, verify_manifest, verify_t
 from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.hf import build_model_from_hf
-from tests.models.tiny_hf import save_tiny_hf
+from tests.helpers.tiny_hf import save_tiny_hf
 
 
 @pytest.fixture

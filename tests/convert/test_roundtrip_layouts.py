@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
 from megatron_fp8rl.models.hf import build_model_from_hf
-from tests.models.tiny_hf import ARCHITECTURES, save_tiny_hf
-from tests.torchrun import run_torchrun
+from tests.helpers.processes import run_torchrun
+from tests.helpers.tiny_hf import ARCHITECTURES, save_tiny_hf
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "convert_layouts.py"
 LAYOUTS = {"tp1pp1": (1, 1), "tp2pp1": (2, 1), "tp1pp2": (1, 2), "tp2pp2": (2, 2)}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models.tiny_hf import VOCAB, save_tiny_hf
+from tests.helpers.tiny_hf import VOCAB, save_tiny_hf
 
 pytestmark = pytest.mark.multiprocess
 TOOLS = Path(__file__).resolve().parents[2] / "tools"

@@ -72,11 +72,13 @@ def test_a_closure_is_refused_by_name():
         score(lambda response, answer: 1.0, ["1"], ["1"])
 
 
+@pytest.mark.slow
 def test_calls_run_concurrently_each_timed_from_its_own_start():
     """8 calls of 2 s on 4 workers with a 3 s timeout: none times out (each is timed alone; timed
     from the batch start, the second wave would end at 4 s). 4 calls that hang time out together
     after ~3 s, not one after another. 1 s of margin: when an earlier test started multiprocessing's
-    forkserver, this module is not preloaded and each worker imports it (~0.5 s on a loaded box)."""
+    forkserver, this module is not preloaded and each worker imports it (~0.5 s on a loaded box).
+    Slow: ~7 s of waiting is the property (two 2 s waves, then a 3 s timeout)."""
     rewards, stats = score(_sleep_then_one, ["2"] * 8, ["1"] * 8, timeout_s=3.0, workers=4)
     assert rewards == [1.0] * 8 and stats.timeouts == 0
     start = time.perf_counter()

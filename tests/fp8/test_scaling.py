@@ -109,7 +109,7 @@ def test_amax_all_reduce_over_a_process_group():
     """Starts 2 torchrun processes on gloo (tests/fp8/workers/amax_reduction.py)."""
     from pathlib import Path
 
-    from tests.torchrun import run_torchrun
+    from tests.helpers.processes import run_torchrun
 
     output = run_torchrun(Path(__file__).parent / "workers" / "amax_reduction.py", 2, timeout=300)
     assert "rank 0 OK" in output and "rank 1 OK" in output

@@ -7,7 +7,7 @@ from megatron_fp8rl.models.family import UnsupportedModelError
 from megatron_fp8rl.models.hf import check_parallel_layout, transformer_config_from_hf
 from megatron_fp8rl.models.registry import family_for, supported_architectures
 from megatron_fp8rl.models.rope import llama3_inv_freq, rope_settings
-from tests.models.tiny_hf import tiny_hf_config
+from tests.helpers.tiny_hf import tiny_hf_config
 
 
 @pytest.mark.parametrize("arch, qkv_bias, qk_norm, kv_channels", [

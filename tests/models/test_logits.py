@@ -13,8 +13,8 @@ import torch
 
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.models.hf import build_model_from_hf
-from tests.models.conftest import megatron_from_hf_dir, megatron_logits
-from tests.models.tiny_hf import ARCHITECTURES, VOCAB, tiny_hf_model
+from tests.helpers.megatron_models import megatron_from_hf_dir, megatron_logits
+from tests.helpers.tiny_hf import ARCHITECTURES, VOCAB, tiny_hf_model
 
 # fp32 on CPU, logits of magnitude ~1.5: the two implementations differ only in summation order
 # and rope/norm formulation; measured max |diff| 5e-7 to 8e-7. 1e-4 is far below any mapping

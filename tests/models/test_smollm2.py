@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.models.conftest import megatron_from_hf_dir, megatron_logits
+from tests.helpers.megatron_models import megatron_from_hf_dir, megatron_logits
 
 # fp32, 30 layers, logits up to ~38: measured max |diff| 7.0e-5 over 45 tokens (summation order
 # only; a mapping error moves logits by whole units).

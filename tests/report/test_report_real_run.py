@@ -12,8 +12,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_fp8rl.report.study import main as stability_main
-from tests.report.conftest import assert_png
-from tests.rollout.tiny_models import build_tiny_rl_inputs
+from tests.helpers.png import assert_png
+from tests.helpers.tiny_models import build_tiny_rl_inputs
 
 SETTINGS = ("bf16_bf16_none", "fp8trainer")
 FIGURES = ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions")

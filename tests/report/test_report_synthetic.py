@@ -1,6 +1,8 @@
 """The report generator on tensorboard logs written here with SummaryWriter (fast, no training):
 every figure is a real PNG, tables hold the logged numbers, FP8 heatmaps only for FP8 runs,
-bad run directories fail with a clear error."""
+bad run directories fail with a clear error. Rendering is the cost (~5 s a report on a 2-core
+box), so the module renders one report, through the CLI; the verdict cases read `verdict()`,
+the function that writes that section, without plotting."""
 import math
 import re
 from pathlib import Path
@@ -12,9 +14,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from megatron_fp8rl.cli import main
 from megatron_fp8rl.report.logs import ReportError, load_run
-from megatron_fp8rl.report.markdown import final_figures, write_report
+from megatron_fp8rl.report.markdown import final_figures, verdict
 from megatron_fp8rl.report.plots import fp8_layer_matrix
-from tests.report.conftest import assert_png
+from tests.helpers.png import assert_png
 
 LAYERS = [f"module.decoder.layers.{i}.mlp.linear_fc1" for i in (0, 1, 2, 10)]
 RATIO_NAMES = ("min", "p01", "p10", "p50", "p90", "p99", "max")
@@ -54,16 +56,24 @@ def write_fake_run(run_dir: Path, *, steps: int, fp8: bool, mismatch: float) -> 
     writer.close()
 
 
-@pytest.fixture
-def two_runs(tmp_path):
-    write_fake_run(tmp_path / "bf16", steps=4, fp8=False, mismatch=1e-3)
-    write_fake_run(tmp_path / "fp8", steps=4, fp8=True, mismatch=0.1)
-    return tmp_path / "bf16", tmp_path / "fp8"
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    write_fake_run(root / "bf16", steps=4, fp8=False, mismatch=1e-3)
+    write_fake_run(root / "fp8", steps=4, fp8=True, mismatch=0.1)
+    return root / "bf16", root / "fp8"
 
 
-def test_every_plot_and_the_markdown(two_runs, tmp_path):
-    out = tmp_path / "report"
-    report = write_report(list(two_runs), out)
+@pytest.fixture(scope="module")
+def cli_report(two_runs, tmp_path_factory) -> Path:
+    """`megatron-fp8rl report bf16 fp8 --out <dir>`; returns the markdown's path."""
+    out = tmp_path_factory.mktemp("report")
+    assert main(["report", str(two_runs[0]), str(two_runs[1]), "--out", str(out)]) == 0
+    return out / "report.md"
+
+
+def test_cli_report_writes_every_plot_and_the_markdown(cli_report):
+    out, report = cli_report.parent, cli_report
     expected = {"reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions", "clip_attribution", "fp8_fp8",
                 "calibrated_clipping", "training_forward_noise"}
     pngs = {p.stem for p in out.glob("*.png")}
@@ -81,6 +91,7 @@ def test_every_plot_and_the_markdown(two_runs, tmp_path):
     fp8_row = next(line for line in text.splitlines() if line.startswith("| fp8 |") and "0.25" in line)
     assert "calibrated" in fp8_row
     assert "| 0.4 |" in next(line for line in text.splitlines() if line.startswith("| fp8 |"))
+    assert "## Verdict" in text
 
 
 def test_final_figures_numbers(two_runs):
@@ -100,12 +111,6 @@ def test_fp8_heatmap_rows_follow_layer_order(two_runs):
     assert layers == LAYERS  # layer 10 after layer 2 (numeric order, not string order)
     assert list(steps) == [1, 2, 3, 4]
     np.testing.assert_allclose(matrix[3], [0.003 * s for s in (1, 2, 3, 4)], rtol=1e-6)
-
-
-def test_cli_report_command(two_runs, tmp_path):
-    assert main(["report", str(two_runs[0]), str(two_runs[1]), "--out", str(tmp_path / "cli")]) == 0
-    assert (tmp_path / "cli" / "report.md").is_file()
-    assert_png(tmp_path / "cli" / "mismatch.png")
 
 
 def test_bad_run_directories_name_the_path(tmp_path):
@@ -141,15 +146,14 @@ def test_verdict_compares_runs_at_the_last_common_step(tmp_path):
                     mismatch=0.015)
     write_curve_run(tmp_path / "surging", model_fp8="te_delayed", rollout_fp8="blockwise",
                     accuracy={0: 0.2, 4: 0.1}, entropy=[1.0, 1.5, 2.0, 1.2], mismatch=0.2)
-    text = write_report([tmp_path / n for n in ("steady", "long", "surging")], tmp_path / "out").read_text()
-    verdict = text.split("## Verdict", 1)[1].split("\n## ", 1)[0]
-    assert "Compared at step 4" in verdict
-    assert "Highest held-out greedy accuracy: `steady` (0.400; all: steady 0.400, long 0.300, surging 0.100)" in verdict
+    text = "\n".join(verdict([load_run(tmp_path / n) for n in ("steady", "long", "surging")]))
+    assert text.startswith("## Verdict") and "Compared at step 4" in text
+    assert "Highest held-out greedy accuracy: `steady` (0.400; all: steady 0.400, long 0.300, surging 0.100)" in text
     # drift: long max(|.02|,|-.01|,|.01|)/1 = 0.02 (its step-5 surge is past step 4); steady 0.1; surging 1.0
-    assert "Smallest entropy drift" in verdict and "`long` (0.020; all: long 0.020, steady 0.100, surging 1.000)" in verdict
-    assert "none/none 0.01 (1.00x), calibrated/aligned 0.015 (1.50x), te_delayed/blockwise 0.2 (20.00x)" in verdict
+    assert "Smallest entropy drift" in text and "`long` (0.020; all: long 0.020, steady 0.100, surging 1.000)" in text
+    assert "none/none 0.01 (1.00x), calibrated/aligned 0.015 (1.50x), te_delayed/blockwise 0.2 (20.00x)" in text
     se = math.sqrt(np.mean([0.4, 0.3, 0.1]) * (1 - np.mean([0.4, 0.3, 0.1])) / 100)
-    assert f"binomial standard error of {se:.3f}" in verdict
+    assert f"binomial standard error of {se:.3f}" in text
 
 
 def test_entropy_drift_counts_a_collapse_as_drift(tmp_path):
@@ -162,5 +166,5 @@ def test_entropy_drift_counts_a_collapse_as_drift(tmp_path):
     assert entropy_drift(run, 5) == pytest.approx(1.0)
 
 
-def test_no_verdict_for_a_single_run(two_runs, tmp_path):
-    assert "## Verdict" not in write_report([two_runs[0]], tmp_path / "one").read_text()
+def test_no_verdict_for_a_single_run(two_runs):
+    assert verdict([load_run(two_runs[0])]) == []

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_fp8rl.rl.common import RLInputError
 from megatron_fp8rl.rl.logprobs import token_logprobs_and_entropy
-from tests.torchrun import run_torchrun
+from tests.helpers.processes import run_torchrun
 
 WORKER = Path(__file__).with_name("vocab_parallel_worker.py")
 

@@ -1,25 +1,10 @@
-"""Fixtures for the rollout tests: tiny checkpoints and SGLang configs sized for a 2-core CPU box."""
-import importlib.util
-
+"""Fixtures for the rollout tests: tiny checkpoints sized for a 2-core CPU box."""
 import pytest
 
-from megatron_fp8rl.rollout.sglang_common import SGLangConfig
-from tests.rollout.tiny_models import build_tiny_model
-
-# fp32 so SGLang and transformers run the same arithmetic; a 2048-token KV cache keeps RAM small.
-CPU_CONFIG = dict(dtype="float32", max_total_tokens=2048, mem_fraction_static=0.8)
-
-# Not imported here: sglang must first be imported after megatron_fp8rl.compat.sglang_cpu.install().
-needs_sglang = pytest.mark.skipif(
-    importlib.util.find_spec("sglang") is None, reason="SGLang is not installed (requirements/sglang-cpu.txt)"
-)
+from tests.helpers.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """family -> folder of a tiny random-weight checkpoint with its tokenizer."""
     return {f: build_tiny_model(f, tmp_path_factory.mktemp(f)) for f in ("qwen3", "llama")}
-
-
-def sglang_config(model_dir, **overrides) -> SGLangConfig:
-    return SGLangConfig(model_path=str(model_dir), **{**CPU_CONFIG, **overrides})

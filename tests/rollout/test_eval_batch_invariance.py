@@ -13,7 +13,7 @@ import pytest
 
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint
-from tests.rollout.conftest import needs_sglang, sglang_config
+from tests.helpers.rollout import needs_sglang, sglang_config
 
 pytestmark = [needs_sglang, pytest.mark.multiprocess]
 

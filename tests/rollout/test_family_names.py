@@ -19,8 +19,8 @@ from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.family import UnsupportedModelError
 from megatron_fp8rl.models.hf import build_model_from_hf
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
-from tests.models.tiny_hf import save_tiny_hf, tiny_hf_config
-from tests.rollout.conftest import needs_sglang
+from tests.helpers.rollout import needs_sglang
+from tests.helpers.tiny_hf import save_tiny_hf, tiny_hf_config
 
 FUSED_QKV = "model.layers.0.self_attn.qkv_proj.weight"
 FUSED = r"model\.layers\.0\.(self_attn\.qkv|mlp\.gate_up)_proj\.weight"

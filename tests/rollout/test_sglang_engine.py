@@ -5,9 +5,9 @@ import torch
 
 from megatron_fp8rl.rollout.engine import SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
-from tests.rollout import hf_reference as hf
-from tests.rollout.conftest import needs_sglang, sglang_config
-from tests.rollout.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
+from tests.helpers import hf_reference as hf
+from tests.helpers.rollout import needs_sglang, sglang_config
+from tests.helpers.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
 
 pytestmark = [needs_sglang, pytest.mark.multiprocess]
 PROMPTS = [[5, 6, 7], [9, 10], [3, 40, 41, 42, 43]]

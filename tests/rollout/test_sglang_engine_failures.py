@@ -8,9 +8,9 @@ import torch
 
 from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams
 from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
-from tests.rollout import hf_reference as hf
-from tests.rollout.conftest import needs_sglang, sglang_config
-from tests.rollout.tiny_models import EOS_TOKEN_ID, load_hf
+from tests.helpers import hf_reference as hf
+from tests.helpers.rollout import needs_sglang, sglang_config
+from tests.helpers.tiny_models import EOS_TOKEN_ID, load_hf
 
 pytestmark = [needs_sglang, pytest.mark.slow]
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12]]

@@ -2,7 +2,7 @@
 
 Oracle: transformers in fp32 with the checkpoint's FP8 weights dequantized and every quantized
 linear's input quantized-dequantized by hooks, with plain torch float8 casts
-(tests/rollout/fp8_reference.py). Checkpoints come from convert/fp8_export.py: per-tensor static
+(tests/helpers/fp8_reference.py). Checkpoints come from convert/fp8_export.py: per-tensor static
 and per-tensor dynamic (tiny Qwen3), blockwise 128x128 (tiny Llama, whose loader renames
 weight_scale_inv). Also: a quantized weight sync is served (sent in several buckets), and bad
 updates are refused while the engine keeps serving. Each test starts one SGLang engine (scheduler + detokenizer processes).
@@ -15,10 +15,10 @@ from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.rollout.engine import SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.weight_transfer import buckets
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
-from tests.rollout.conftest import needs_sglang, sglang_config
-from tests.rollout.fp8_reference import apply_fp8
-from tests.rollout.hf_reference import load_state_dict, token_logprobs
-from tests.rollout.tiny_models import load_hf, random_state_dict
+from tests.helpers.fp8_reference import apply_fp8
+from tests.helpers.hf_reference import load_state_dict, token_logprobs
+from tests.helpers.rollout import needs_sglang, sglang_config
+from tests.helpers.tiny_models import load_hf, random_state_dict
 
 pytestmark = [needs_sglang, pytest.mark.slow]
 

@@ -25,7 +25,7 @@ from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, recipe_by_name
 from megatron_fp8rl.models.hf import build_model_from_hf
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors, served_scales
-from tests.rollout.conftest import needs_sglang, sglang_config
+from tests.helpers.rollout import needs_sglang, sglang_config
 
 pytestmark = [needs_sglang, pytest.mark.slow]
 

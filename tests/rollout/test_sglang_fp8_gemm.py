@@ -17,7 +17,7 @@ from megatron_fp8rl.fp8.quantize import WEIGHT_BLOCK, quantize_blockwise, quanti
 from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers
 from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, groupwise
 from megatron_fp8rl.models.families.llama import FAMILY as LLAMA
-from tests.rollout.conftest import needs_sglang
+from tests.helpers.rollout import needs_sglang
 
 pytestmark = [needs_sglang, pytest.mark.triton]
 

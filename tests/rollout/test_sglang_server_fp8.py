@@ -15,10 +15,10 @@ from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.weight_transfer import buckets, flatten_bucket
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
-from tests.rollout.conftest import needs_sglang, sglang_config
-from tests.rollout.fp8_reference import apply_fp8
-from tests.rollout.hf_reference import load_state_dict, token_logprobs
-from tests.rollout.tiny_models import load_hf, random_state_dict
+from tests.helpers.fp8_reference import apply_fp8
+from tests.helpers.hf_reference import load_state_dict, token_logprobs
+from tests.helpers.rollout import needs_sglang, sglang_config
+from tests.helpers.tiny_models import load_hf, random_state_dict
 
 pytestmark = needs_sglang
 PROMPTS = [[5, 9, 17, 33], [40, 41, 7], [100, 3, 64, 12, 90]]

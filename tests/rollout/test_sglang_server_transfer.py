@@ -9,9 +9,9 @@ from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.sglang_server import SGLangServer
 from megatron_fp8rl.rollout.weight_transfer import buckets
-from tests.rollout import hf_reference as hf
-from tests.rollout.conftest import needs_sglang, sglang_config
-from tests.rollout.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
+from tests.helpers import hf_reference as hf
+from tests.helpers.rollout import needs_sglang, sglang_config
+from tests.helpers.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
 
 pytestmark = needs_sglang
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12]]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rollout.conftest import needs_sglang
+from tests.helpers.rollout import needs_sglang
 
 pytestmark = [needs_sglang, pytest.mark.slow, pytest.mark.triton]
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import torch
 from megatron_fp8rl.rollout.engine import WeightUpdateError
 from megatron_fp8rl.rollout import weights
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
-from tests.rollout.tiny_models import build_tiny_model, load_hf
+from tests.helpers.tiny_models import build_tiny_model, load_hf
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,37 @@
 """The actor's in-memory weight stream (TP = PP = 1), which every weight sync at that layout now
 uses, equals the checkpoint round trip it replaces (save_weights + hf_tensors): the same HF names
 in the same order and bit-equal tensors, for a float32 and a calibrated FP8 trainer. One process
-(gloo), a tiny random Llama (its gated MLP is saved through Megatron's swiglu factory)."""
+(gloo), a tiny random Llama (its gated MLP is saved through Megatron's swiglu factory), converted
+once per module in this process: the property is the actor's weight stream, not the conversion,
+whose subprocess path the torchrun train tests run."""
+import json
+
 import pytest
 import torch
 
-from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
+from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
+from megatron_fp8rl.models.hf import build_conversion_target
+from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.objective import Objective
-from tests.rollout.tiny_models import build_tiny_model
+from tests.helpers.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def converted(megatron_tp1, tmp_path_factory):
+    """(HF folder, its torch_dist conversion) of a tiny random Llama."""
+    root = tmp_path_factory.mktemp("actor_weights")
+    model = build_tiny_model("llama", root / "hf")
+    hf_config = json.loads((model / "config.json").read_text())
+    convert_hf_to_megatron(model, root / "init", build_conversion_target(hf_config).sharded_state_dict(),
+                           progress=False)
+    return model, root / "init"
 
 
 @pytest.mark.parametrize("fp8", ["none", "calibrated"])
-def test_in_memory_weights_equal_the_checkpoint_round_trip(megatron_tp1, tmp_path, fp8):
-    model = build_tiny_model("llama", tmp_path / "hf")
-    init = convert_initial_checkpoint(model, tmp_path / "init")
+def test_in_memory_weights_equal_the_checkpoint_round_trip(megatron_tp1, converted, tmp_path, fp8):
+    model, init = converted
     actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), OptimConfig(), TrainConfig(),
                           Objective(AlgorithmConfig(), max_response_length=8))
     generator = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_torchrun
+from tests.helpers.processes import run_torchrun
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "checkpoint_resume.py"
 

@@ -3,6 +3,7 @@ a missing .metadata in the newest checkpoint skips it, naming the folder and the
 intact one before it loads; when none is intact the error lists them all. In process, one rank
 (tiny GPT, distributed optimizer)."""
 import re
+import shutil
 
 import pytest
 import torch
@@ -33,17 +34,27 @@ def actor(megatron_tp1):
     return model, optimizer, step
 
 
-@pytest.fixture
-def checkpoints(actor, tmp_path):
-    """Checkpoints at steps 1 and 2; returns (root, the weights saved at step 1)."""
+@pytest.fixture(scope="module")
+def intact_checkpoints(actor, tmp_path_factory):
+    """Checkpoints at steps 1 and 2, saved once per module (a save is ~1 s of the edit-loop
+    tier); returns (root, the weights saved at step 1)."""
     model, optimizer, step = actor
-    cfg = CheckpointConfig(dir=str(tmp_path), keep_last=3)
+    root = tmp_path_factory.mktemp("intact")
+    cfg = CheckpointConfig(dir=str(root), keep_last=3)
     for number in (1, 2):
         step()
         save_checkpoint(cfg, number, model, optimizer, {"sampler": {}})
         if number == 1:
             saved = {k: v.clone() for k, v in model.module.state_dict().items() if "weight" in k}
-    return tmp_path, saved
+    return root, saved
+
+
+@pytest.fixture
+def checkpoints(intact_checkpoints, tmp_path):
+    """A fresh copy of the intact checkpoints for the test to damage; (root, step-1 weights)."""
+    root, saved = intact_checkpoints
+    shutil.copytree(root, tmp_path / "checkpoints")
+    return tmp_path / "checkpoints", saved
 
 
 def _truncate_distcp(path):

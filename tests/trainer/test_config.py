@@ -7,7 +7,7 @@ from megatron_fp8rl.cli import main
 from megatron_fp8rl.config.loader import ConfigError, load_config
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.loop import check_inputs
-from tests.trainer.conftest import GPU_EXAMPLES
+from tests.helpers.train import GPU_EXAMPLES
 
 
 def test_unknown_key_suggests_closest(capsys):

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.trainer.config import RunConfig
-from tests.trainer.conftest import run_train, tb_scalars
+from tests.helpers.train import run_train, tb_scalars
 
 
 @pytest.mark.parametrize("overrides, message", [

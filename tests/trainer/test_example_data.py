@@ -12,8 +12,8 @@ from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.data.rewards import load_reward_fn
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.loop import load_records
-from tests.torchrun import REPO
-from tests.trainer.conftest import GPU_EXAMPLES
+from tests.helpers.processes import REPO
+from tests.helpers.train import GPU_EXAMPLES
 
 INSTRUCTION = ("Solve the following math problem step by step. The last line of your response "
                "should be of the form Answer: $Answer (without quotes) where $Answer is the answer "

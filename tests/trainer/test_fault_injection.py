@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from tests.torchrun import REPO, kill_marked, marked_processes
-from tests.trainer.conftest import train_command
+from tests.helpers.processes import REPO, kill_marked, marked_processes
+from tests.helpers.train import train_command
 
 SETTINGS = ("train.steps=4", "checkpoint.every=1", "train.eval_every=0", "rollout.mode=disaggregated",
             "rollout.weight_transfer=distributed")

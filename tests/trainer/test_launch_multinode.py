@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.rollout.conftest import needs_sglang, sglang_config
-from tests.torchrun import REPO, free_port, kill_marked
-from tests.trainer.conftest import tb_scalars
+from tests.helpers.processes import REPO, free_port, kill_marked
+from tests.helpers.rollout import needs_sglang, sglang_config
+from tests.helpers.train import tb_scalars
 
 SCRIPT = REPO / "examples" / "launch_multinode.sh"
 pytestmark = [needs_sglang, pytest.mark.multiprocess, pytest.mark.slow]

@@ -20,7 +20,7 @@ from megatron_fp8rl.rl.noise import estimate_noise
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.batch import RolloutBatch
 from megatron_fp8rl.trainer.objective import MiniBatchTerms, Objective, noise_levels
-from tests.trainer.conftest import run_train, tb_scalars
+from tests.helpers.train import run_train, tb_scalars
 
 B, S = 6, 9
 DENOMINATOR = 17.0

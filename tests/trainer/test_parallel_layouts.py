@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_torchrun
+from tests.helpers.processes import run_torchrun
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "gpt_layouts.py"
 RTOL = {

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.torchrun import REPO, kill_marked
-from tests.trainer.conftest import run_train, train_command
+from tests.helpers.processes import REPO, kill_marked
+from tests.helpers.train import run_train, train_command
 
 STEPS = 4
 SETTINGS = ("train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=1", "train.eval_every=2",

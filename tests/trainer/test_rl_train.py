@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.torchrun import run_torchrun
-from tests.trainer.conftest import CLI, run_train, tb_scalars
+from tests.helpers.processes import run_torchrun
+from tests.helpers.train import CLI, run_train, tb_scalars
 
 
 @pytest.mark.multiprocess

@@ -12,9 +12,8 @@ from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.run_dir import RunDirError, check_run_dir, claim_run_dir
-from tests.conftest import meet_permission_bits
-from tests.rollout.tiny_models import build_tiny_model
-from tests.torchrun import REPO
+from tests.helpers.processes import REPO, meet_permission_bits
+from tests.helpers.tiny_models import build_tiny_model
 
 
 def _cfg(model, run_dir, **train):

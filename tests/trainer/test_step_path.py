@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import REPO, run_torchrun
-from tests.trainer.conftest import base_train_args
+from tests.helpers.processes import REPO, run_torchrun
+from tests.helpers.train import base_train_args
 
 WORKER = REPO / "tests" / "workers" / "step_path.py"
 

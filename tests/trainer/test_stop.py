@@ -13,8 +13,8 @@ import uuid
 import pytest
 
 from megatron_fp8rl.trainer.checkpoint import checkpoint_problem
-from tests.torchrun import REPO, kill_marked, marked_processes
-from tests.trainer.conftest import train_command
+from tests.helpers.processes import REPO, kill_marked, marked_processes
+from tests.helpers.train import train_command
 
 
 def _wait_for(condition, proc, timeout_s: float, what: str) -> None:

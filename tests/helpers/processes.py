@@ -1,6 +1,8 @@
-"""Run a test worker script under `torchrun --nproc-per-node N` on gloo and surface its output."""
+"""Processes the tests start: a worker script under `torchrun --nproc-per-node N` on gloo (its
+output surfaced, every process it left killed), and children that meet file permission bits."""
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -12,7 +14,21 @@ import psutil
 
 from megatron_fp8rl.compat.tcp_store import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+_PR_CAPBSET_DROP = 24
+_PERMISSION_BYPASSES = (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+
+
+def meet_permission_bits() -> None:
+    """Popen preexec_fn: the child meets file permission bits even when the tests run as root
+    (CI containers do), by dropping the capabilities that bypass them from its bounding set
+    before exec; for any other user a no-op. Raises when the drop is refused."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    for capability in _PERMISSION_BYPASSES:
+        if libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot drop capability {capability}")
 
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 600,

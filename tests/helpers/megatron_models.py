@@ -1,4 +1,4 @@
-"""Helpers shared by the model tests: a converted checkpoint loaded into Megatron, and its logits."""
+"""An HF checkpoint folder converted and loaded into Megatron (TP=1, PP=1), and its logits."""
 import json
 
 import torch
@@ -20,6 +20,7 @@ def megatron_from_hf_dir(hf_dir, tmp_path, params_dtype=torch.float32):
 
 
 def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[batch, seq, vocab] logits of `tokens` [batch, seq] (positions 0..seq-1, no mask)."""
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         return model(tokens, positions, None)
