@@ -7,13 +7,11 @@ Must not import: cli.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from megatron_fp8rl.data.arithmetic import OPERATIONS
-from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe
+from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
@@ -76,10 +74,13 @@ class ModelConfig:
     """Megatron pipeline-parallel size."""
     fp8: str = "none"
     """Trainer FP8 recipe for every transformer linear: one of TRAINER_FP8."""
-    fp8_recipe: dict[str, Any] = field(default_factory=dict)
-    """Fields of the `fp8` recipe (megatron_fp8rl/fp8/recipe.py), e.g. for calibrated
-    {criterion: mse, margin: 0, amax_history_len: 16}; empty keeps the recipe's defaults. A field
-    the recipe does not have, or a value it refuses, is an error naming model.fp8_recipe."""
+    fp8_recipe: RecipeOverrides = field(default_factory=RecipeOverrides)
+    """Fields of the `fp8` recipe (fp8/recipe.py) replacing the named recipe's own values; null
+    keeps them. Megatron-LM's --fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo and
+    --fp8-format are margin, amax_history_len, amax_compute_algo and fp8_format here; the
+    calibrated recipe adds criterion, saturation_budget, overflow_tolerance, ...; blockwise its
+    blocks. A field the named recipe lacks, or a value it refuses, is an error naming
+    model.fp8_recipe.<field>."""
     fp8_backend: str = "ours"
     """Who computes the trainer's FP8 GEMMs (one of MODEL_FP8_BACKENDS): ours (our FP8 linear,
     torch._scaled_mm, on both tiers: the arithmetic aligned rollouts serve) or te (Transformer
@@ -90,8 +91,9 @@ class ModelConfig:
 
     def __post_init__(self):
         _check(self.fp8 in TRAINER_FP8, "model.fp8", f"{self.fp8!r} is not one of {TRAINER_FP8}")
-        _check(self.fp8 != "none" or not self.fp8_recipe, "model.fp8_recipe",
-               f"sets {sorted(self.fp8_recipe)} but model.fp8 is none")
+        overrides = self.fp8_recipe.set_fields()
+        _check(self.fp8 != "none" or not overrides, f"model.fp8_recipe.{next(iter(overrides), '')}",
+               f"sets {sorted(overrides)} but model.fp8 is none: no recipe to change")
         if self.fp8 != "none":
             self.recipe()  # refuse bad fields now, naming them
         _check(self.fp8_backend in MODEL_FP8_BACKENDS, "model.fp8_backend",
@@ -102,21 +104,16 @@ class ModelConfig:
         _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
                "tensor_parallel and pipeline_parallel must be >= 1")
 
-
     def recipe(self) -> Fp8Recipe | None:
-        """The trainer's FP8 recipe built from `fp8` and `fp8_recipe`; None without FP8.
-        ValueError naming model.fp8_recipe and the field for anything the recipe refuses."""
+        """The trainer's FP8 recipe: the `fp8` recipe with the `fp8_recipe` fields that are set;
+        None without FP8. ValueError naming model.fp8_recipe.<field> for what the recipe refuses."""
         if self.fp8 == "none":
             return None
-        factory = RECIPE_NAMES[self.fp8]
-        accepted = [name for name in inspect.signature(factory).parameters]
-        unknown = sorted(set(self.fp8_recipe) - set(accepted))
-        _check(not unknown, f"model.fp8_recipe.{unknown[0] if unknown else ''}",
-               f"not a field of the {self.fp8!r} recipe (fields: {', '.join(accepted)})")
         try:
-            return factory(**self.fp8_recipe)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"model.fp8_recipe ({self.fp8}): {exc}") from None
+            return recipe_by_name(self.fp8, **self.fp8_recipe.set_fields())
+        except RecipeFieldError as exc:
+            keys = ", ".join(f"model.fp8_recipe.{name}" for name in exc.fields)
+            raise ValueError(f"{keys} (model.fp8={self.fp8}): {exc}") from None
 
 
 @dataclass

@@ -192,11 +192,28 @@ def test_fp8_recipe_fields_are_settable_and_checked():
                                          "model.fp8_recipe.weight_block=[64,128]"]).model.recipe().weight_block == (64, 128)
     for overrides, message in (
             (["model.fp8=calibrated", "model.fp8_recipe.criterion_x=mse"],
-             r"model.fp8_recipe.criterion_x: not a field of the 'calibrated' recipe \(fields: fp8_format, margin,"),
+             r"unknown config key 'model.fp8_recipe.criterion_x'; did you mean 'model.fp8_recipe.criterion'"),
+            (["model.fp8=calibrated", "model.fp8_recipe.margin=two"], r"bad value for 'model.fp8_recipe.margin'"),
             (["model.fp8=calibrated", "model.fp8_recipe.margin=-1"],
-             r"model.fp8_recipe \(calibrated\): margin must be an integer >= 0, found -1"),
+             r"model.fp8_recipe.margin \(model.fp8=calibrated\): margin must be an integer >= 0, found -1"),
+            (["model.fp8=calibrated", "model.fp8_recipe.margin=0", "model.fp8_recipe.fp8_format=e5m2"],
+             r"model.fp8_recipe.fp8_format \(model.fp8=calibrated\): unknown FP8 recipe format 'e5m2'"),
+            (["model.fp8=calibrated", "model.fp8_recipe.amax_compute_algo=most_recent"],
+             r"model.fp8_recipe.amax_compute_algo \(model.fp8=calibrated\): not a field of the 'calibrated' recipe "
+             r"\(fields: fp8_format, margin,"),
             (["model.fp8=groupwise", "model.fp8_recipe.weight_block=[128,128]"],
-             r"model.fp8_recipe.weight_block: not a field of the 'groupwise' recipe \(fields: fp8_format\)"),
-            (["model.fp8_recipe.margin=0"], r"model.fp8_recipe: sets \['margin'\] but model.fp8 is none")):
+             r"model.fp8_recipe.weight_block \(model.fp8=groupwise\): not a field of the 'groupwise' recipe "
+             r"\(fields: fp8_format\)"),
+            (["model.fp8_recipe.margin=0"], r"model.fp8_recipe.margin: sets \['margin'\] but model.fp8 is none")):
         with pytest.raises(ConfigError, match=message):
             load_config(RunConfig, None, ["model.hf_path=/x", *overrides])
+
+
+@pytest.mark.parametrize("name, history, algo", [("te_delayed", 1024, "max"), ("megatron_delayed", 1, "most_recent")])
+def test_delayed_recipes_take_megatron_lms_fp8_flags_over_their_own_defaults(name, history, algo):
+    """--fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo: unset fields keep the name's values."""
+    named = load_config(RunConfig, None, ["model.hf_path=/x", f"model.fp8={name}"]).model.recipe()
+    assert (named.margin, named.amax_history_len, named.amax_compute_algo) == (0, history, algo)
+    recipe = load_config(RunConfig, None, ["model.hf_path=/x", f"model.fp8={name}", "model.fp8_recipe.margin=1",
+                                           "model.fp8_recipe.amax_history_len=16"]).model.recipe()
+    assert (recipe.margin, recipe.amax_history_len, recipe.amax_compute_algo) == (1, 16, algo)
