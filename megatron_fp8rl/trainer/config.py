@@ -17,6 +17,7 @@ from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
 from megatron_fp8rl.rollout.sglang_common import ACTIVATION_SCHEMES, FP8_BACKENDS, ROLLOUT_FP8, check_aligned_backend
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
+from megatron_fp8rl.trainer.megatron_step import OptimConfig
 
 ALGORITHMS = ("grpo", "dapo", "gspo")
 ADVANTAGES = ("grpo", "grpo_no_std", "rloo")
@@ -388,8 +389,10 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
-    """The optimization schedule."""
+class TrainConfig(OptimConfig):
+    """The optimization schedule, and the actor's optimizer: this section is an OptimConfig
+    (trainer/megatron_step.py: train.lr, weight_decay, adam_beta1, adam_beta2, clip_grad,
+    distributed_optimizer, checked there) that the actor builds its optimizer from."""
 
     steps: int = 10
     """RL steps (each: rollout, one or more optimizer steps, weight sync)."""
@@ -397,12 +400,6 @@ class TrainConfig:
     """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward."""
-    lr: float = 1e-5
-    """Adam learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    clip_grad: float = 1.0
-    """Global grad-norm clip."""
     seed: int = 1234
     """Seed for model init, data order and sampling."""
     eval_every: int = 5
@@ -411,12 +408,15 @@ class TrainConfig:
     """Continue a run_dir made with a different config (same model); refused otherwise."""
 
     def __post_init__(self):
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            raise ValueError(f"train.{error}") from None
+        _check(self.distributed_optimizer, "train.distributed_optimizer", "false is not wired: the actor's "
+               "DDP buffers, weight sync and checkpoints run Megatron's distributed optimizer only")
         _check(self.steps >= 1, "train.steps", "must be >= 1")
         _check(self.mini_batches >= 1, "train.mini_batches", f"must be >= 1, got {self.mini_batches}")
         _check(self.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
-        _check_number(self.lr, "train.lr", 0, low_open=True)
-        _check_number(self.weight_decay, "train.weight_decay", 0)
-        _check_number(self.clip_grad, "train.clip_grad", 0, low_open=True)
         _check(self.eval_every >= 0, "train.eval_every", f"must be >= 0 (0: never), got {self.eval_every}")
 
 

@@ -29,7 +29,6 @@ from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.objective import Objective
 from megatron_fp8rl.trainer.rl_step import Prompts, StepContext, rl_step, sync_weights
 from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT
@@ -232,8 +231,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
         save_config(cfg, run_dir / "config.yaml")
         convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     dist.barrier()
-    optim = OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, clip_grad=cfg.train.clip_grad)
-    actor = MegatronActor(run_dir / "init_megatron", cfg.model, optim, cfg.train,
+    actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                           Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
                           rollout_fp8=cfg.rollout.fp8, served_checkpoint=run_dir / ROLLOUT_CHECKPOINT)
     engine = None

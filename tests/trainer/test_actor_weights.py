@@ -7,7 +7,6 @@ import torch
 
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
-from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.objective import Objective
 from tests.rollout.tiny_models import build_tiny_model
 
@@ -16,7 +15,7 @@ from tests.rollout.tiny_models import build_tiny_model
 def test_in_memory_weights_equal_the_checkpoint_round_trip(megatron_tp1, tmp_path, fp8):
     model = build_tiny_model("llama", tmp_path / "hf")
     init = convert_initial_checkpoint(model, tmp_path / "init")
-    actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), OptimConfig(), TrainConfig(),
+    actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), TrainConfig(),
                           Objective(AlgorithmConfig(), max_response_length=8))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # trained weights: neither side may fall back to the converted start

@@ -1,10 +1,10 @@
-"""model.fp8_recipe in a run's YAML reaches the FP8 linears the actor builds: the recipe object
-every linear runs and the quantizer state it sizes from it. One process (gloo), a tiny random Llama."""
+"""A run's YAML reaches what the actor builds: model.fp8_recipe the recipe every FP8 linear runs
+(and the quantizer state it sizes from it), the train section the Megatron optimizer. One process
+(gloo), a tiny random Llama."""
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.fp8.recipe import DelayedScaling
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.objective import Objective
 from tests.rollout.tiny_models import build_tiny_model
 
@@ -15,14 +15,20 @@ model:
     margin: 2
     amax_history_len: 16
     amax_compute_algo: max
+train:
+  lr: 3.0e-4
+  weight_decay: 0.1
+  adam_beta1: 0.8
+  adam_beta2: 0.95
+  clip_grad: 0.5
 """
 
 
-def test_yaml_recipe_fields_reach_the_actors_fp8_linears(megatron_tp1, tmp_path):
+def test_yaml_recipe_and_optimizer_fields_reach_the_actor(megatron_tp1, tmp_path):
     model = build_tiny_model("llama", tmp_path / "hf")
     (tmp_path / "run.yaml").write_text(YAML)
     cfg = load_config(RunConfig, tmp_path / "run.yaml", [f"model.hf_path={model}"])
-    actor = MegatronActor(convert_initial_checkpoint(model, tmp_path / "init"), cfg.model, OptimConfig(), cfg.train,
+    actor = MegatronActor(convert_initial_checkpoint(model, tmp_path / "init"), cfg.model, cfg.train,
                           Objective(cfg.algorithm, max_response_length=8))
     linears = [m for m in actor.model.modules() if hasattr(m, "fp8_quantizers")]
     assert len(linears) == 2 * 4  # qkv, proj, fc1, fc2 in each of the tiny model's 2 layers
@@ -30,3 +36,8 @@ def test_yaml_recipe_fields_reach_the_actors_fp8_linears(megatron_tp1, tmp_path)
     for linear in linears:
         assert linear.fp8_recipe == expected
         assert linear.fp8_quantizers.input.state.amax_history.shape[0] == 16
+    parts = actor.optimizer.chained_optimizers
+    groups = [group for part in parts for group in part.optimizer.param_groups]
+    assert {(group["lr"], group["betas"]) for group in groups} == {(3e-4, (0.8, 0.95))}
+    assert max(group["weight_decay"] for group in groups) == 0.1
+    assert {part.config.clip_grad for part in parts} == {0.5}
