@@ -15,7 +15,7 @@ from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError,
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
-from megatron_fp8rl.rollout.sglang_common import ACTIVATION_SCHEMES, FP8_BACKENDS, ROLLOUT_FP8, check_aligned_backend
+from megatron_fp8rl.rollout.sglang_common import SGLANG_DTYPES, SGLangSettings
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
 from megatron_fp8rl.trainer.megatron_step import OptimConfig
 
@@ -47,7 +47,8 @@ def check_rollout_fp8(rollout_fp8: str, trainer_fp8: str) -> None:
 CLIP_CALIBRATIONS = ("none", "shadow")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+ROLLOUT_DTYPES = tuple(dtype for dtype in SGLANG_DTYPES if dtype != "auto")
+"""SGLang's dtypes but auto: a run compares the served dtype with model.dtype."""
 
 
 def _check(condition: bool, key: str, message: str) -> None:
@@ -118,9 +119,23 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """Sampling and the SGLang engine."""
+class RolloutConfig(SGLangSettings):
+    """Sampling, and how SGLang starts: this section is an SGLangSettings
+    (rollout/sglang_common.py: dtype, device, attention_backend, max_total_tokens,
+    mem_fraction_static, deterministic, log_level, fp8, activation_scheme, fp8_backend,
+    memory_saver, extra; checked there), which serves model.hf_path, or its FP8 export for
+    rollout.fp8, seeded with train.seed. In a run, rollout.fp8=aligned needs model.fp8 in
+    ALIGNED_RECIPES: groupwise (step-0 accuracy within 1 point of float32 on mul/mul2, 5 points
+    lower on add/mul; README), or a per-tensor recipe such as calibrated; rollout.deterministic
+    derives per-sample seeds from (train.seed, step), so a resumed run's rollouts equal an
+    uninterrupted run's (exact resume), at some speed cost."""
 
+    dtype: str = "float32"
+    """Dtype SGLang serves in (ROLLOUT_DTYPES): model.dtype, unless rollout.fp8 is blockwise or
+    per_tensor (then the unquantized parts, e.g. lm_head and norms, are served in it)."""
+    max_total_tokens: int | None = 8192
+    """SGLang KV-cache size in tokens (required on CPU; null: SGLang sizes it from
+    mem_fraction_static)."""
     n_samples: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -129,24 +144,6 @@ class RolloutConfig:
     """Nucleus sampling."""
     max_new_tokens: int = 32
     """Response length cap."""
-    dtype: str = "float32"
-    """Dtype SGLang serves in: model.dtype, unless rollout.fp8 is blockwise or per_tensor (then the
-    unquantized parts, e.g. lm_head and norms, are served in it)."""
-    max_total_tokens: int = 8192
-    """SGLang KV-cache size in tokens (required on CPU)."""
-    fp8: str = "none"
-    """Rollout FP8 (one of ROLLOUT_FP8): none (serve `dtype`); blockwise (128x128 weight blocks,
-    1x128 activation groups: SGLang's native FP8 format); per_tensor (per-tensor weights,
-    activations per `activation_scheme`); aligned (the trainer's own FP8 weights and bounds, so
-    trainer and rollout quantize bit-identically; needs model.fp8 in ALIGNED_RECIPES: groupwise
-    (step-0 accuracy within 1 point of float32 on mul/mul2, 5 points lower on add/mul; README), or
-    a per-tensor recipe such as calibrated)."""
-    activation_scheme: str = "dynamic"
-    """per_tensor activations: dynamic (per-token scales) or static (calibrated input_scale)."""
-    fp8_backend: str = "ours"
-    """Which SGLang quantization method serves FP8 rollouts (one of FP8_BACKENDS): ours
-    (megatron_fp8rl's, the trainer's FP8 arithmetic; runs on CPU; required by aligned) or sglang
-    (SGLang's native fp8 kernels: GPU, or CPU with AMX; faster, not bit-aligned)."""
     mode: str = "colocated"
     """colocated (SGLang beside trainer rank 0, its memory released while training) or
     disaggregated (an SGLang server on other devices or nodes)."""
@@ -163,27 +160,21 @@ class RolloutConfig:
     empty inherits this process's devices."""
     server_tp: int = 1
     """disaggregated, server started here: SGLang tensor-parallel size."""
-    deterministic: bool = False
-    """SGLang deterministic inference with per-sample seeds derived from (train.seed, step): the
-    rollouts of a resumed run equal an uninterrupted run's (exact resume), at some speed cost."""
 
     def __post_init__(self):
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            raise ValueError(f"rollout.{error}") from None
         _check(self.n_samples >= 2, "rollout.n_samples", f"must be >= 2 for group advantages, got {self.n_samples}")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _check_number(self.temperature, "rollout.temperature", 0)
         _check_number(self.top_p, "rollout.top_p", 0, 1, low_open=True)
-        _check(self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"{self.dtype!r} is not one of {ROLLOUT_DTYPES}")
-        _check(self.max_total_tokens > self.max_new_tokens, "rollout.max_total_tokens",
+        _check(self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"{self.dtype!r} is not one of {ROLLOUT_DTYPES} "
+               "(the trainer compares its logprobs with a known served dtype)")
+        _check(self.max_total_tokens is None or self.max_total_tokens > self.max_new_tokens, "rollout.max_total_tokens",
                f"must exceed rollout.max_new_tokens ({self.max_new_tokens}), got {self.max_total_tokens}")
-        _check(self.fp8 in ROLLOUT_FP8, "rollout.fp8", f"{self.fp8!r} is not one of {ROLLOUT_FP8}")
-        _check(self.activation_scheme in ACTIVATION_SCHEMES, "rollout.activation_scheme",
-               f"{self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
-        _check(self.fp8_backend in FP8_BACKENDS, "rollout.fp8_backend",
-               f"{self.fp8_backend!r} is not one of {FP8_BACKENDS}")
-        try:
-            check_aligned_backend(self.fp8, self.fp8_backend)
-        except ValueError as error:
-            raise ValueError(f"rollout.fp8_backend: {error}") from None
+        _check("tp_size" not in self.extra, "rollout.extra.tp_size", "use rollout.server_tp (disaggregated)")
         _check(self.mode in ROLLOUT_MODES, "rollout.mode", f"{self.mode!r} is not one of {ROLLOUT_MODES}")
         _check(self.weight_transfer in WEIGHT_TRANSFERS, "rollout.weight_transfer",
                f"{self.weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")

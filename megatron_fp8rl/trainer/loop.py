@@ -66,15 +66,11 @@ def _start_engine(cfg: RunConfig):
     return SGLangEngine(_sglang_config(cfg), bucket_mb=cfg.rollout.bucket_mb)
 
 
-def _sglang_config(cfg: RunConfig, **extra):
-    """The one translation of the rollout section into the SGLang engine's or server's config."""
+def _sglang_config(cfg: RunConfig):
+    """The rollout section (an SGLangSettings) serving this run's checkpoint, seeded with train.seed."""
     from megatron_fp8rl.rollout.sglang_common import SGLangConfig
 
-    rollout = cfg.rollout
-    return SGLangConfig(model_path=str(_rollout_model_path(cfg)), dtype=rollout.dtype,
-                        max_total_tokens=rollout.max_total_tokens, random_seed=cfg.train.seed,
-                        deterministic=rollout.deterministic, fp8=rollout.fp8,
-                        activation_scheme=rollout.activation_scheme, fp8_backend=rollout.fp8_backend, **extra)
+    return SGLangConfig.serving(cfg.rollout, _rollout_model_path(cfg), random_seed=cfg.train.seed)
 
 
 def _rollout_model_path(cfg: RunConfig) -> Path:
@@ -101,7 +97,9 @@ def _start_server(cfg: RunConfig):
     from megatron_fp8rl.rollout.sglang_server import SGLangServer
 
     rollout, run_dir = cfg.rollout, Path(cfg.run_dir)
-    config = _sglang_config(cfg, extra={"tp_size": rollout.server_tp} if rollout.server_tp > 1 else {})
+    config = _sglang_config(cfg)
+    if rollout.server_tp > 1:
+        config.extra = {**config.extra, "tp_size": rollout.server_tp}
     return SGLangServer(config, url=rollout.server_url or None, weight_transfer=rollout.weight_transfer,
                         bucket_mb=rollout.bucket_mb, devices=rollout.server_devices or None,
                         update_dir=run_dir / "weight_updates", log_path=run_dir / "sglang_server.log")

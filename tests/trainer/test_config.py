@@ -1,4 +1,5 @@
 """Run-config errors surface before any expensive work, naming the key or the file."""
+import dataclasses
 import re
 
 import pytest
@@ -219,3 +220,35 @@ def test_delayed_recipes_take_megatron_lms_fp8_flags_over_their_own_defaults(nam
     recipe = load_config(RunConfig, None, ["model.hf_path=/x", f"model.fp8={name}", "model.fp8_recipe.margin=1",
                                            "model.fp8_recipe.amax_history_len=16"]).model.recipe()
     assert (recipe.margin, recipe.amax_history_len, recipe.amax_compute_algo) == (1, 16, algo)
+
+def test_rollout_section_is_the_sglang_settings_the_engine_starts_with(tmp_path):
+    """Every SGLangSettings field set under rollout reaches the SGLangConfig the loop starts SGLang
+    with, beside the served checkpoint and train.seed; engine_kwargs passes them on."""
+    from megatron_fp8rl.rollout.sglang_common import SGLangSettings, engine_kwargs
+    from megatron_fp8rl.trainer.loop import _sglang_config
+
+    cfg = load_config(RunConfig, None, [f"model.hf_path={tmp_path}", "model.dtype=bfloat16", "rollout.dtype=bfloat16",
+                                        "rollout.device=cpu", "rollout.attention_backend=triton",
+                                        "rollout.max_total_tokens=4096", "rollout.mem_fraction_static=0.5",
+                                        "rollout.deterministic=true", "rollout.log_level=info",
+                                        "rollout.activation_scheme=static", "rollout.fp8_backend=sglang",
+                                        "rollout.memory_saver=false", "rollout.extra.chunked_prefill_size=256",
+                                        "train.seed=7"])
+    config = _sglang_config(cfg)
+    names = [f.name for f in dataclasses.fields(SGLangSettings)]
+    assert {name: getattr(config, name) for name in names} == {name: getattr(cfg.rollout, name) for name in names}
+    assert {name: getattr(config, name) for name in names} != {name: getattr(SGLangSettings(), name) for name in names}
+    kwargs = engine_kwargs(config)
+    assert (kwargs["model_path"], kwargs["random_seed"], kwargs["dtype"]) == (str(tmp_path), 7, "bfloat16")
+    assert (kwargs["attention_backend"], kwargs["mem_fraction_static"], kwargs["chunked_prefill_size"]) == ("triton", 0.5, 256)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.memory_saver=true", r"rollout.memory_saver: torch_memory_saver frees CUDA memory only"),
+    ("rollout.dtype=auto", r"rollout.dtype: 'auto' is not one of \('float32', 'bfloat16', 'float16'\)"),
+    ("rollout.extra.tp_size=2", r"rollout.extra.tp_size: use rollout.server_tp"),
+    ("rollout.activation_scheme=per_token", r"rollout.activation_scheme: 'per_token' is not one of"),
+])
+def test_sglang_settings_checks_name_the_rollout_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, ["model.hf_path=/x", "rollout.device=cpu", override])
