@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from megatron_fp8rl.compat.te_recipe import megatron_fp8_fields
 from megatron_fp8rl.data.arithmetic import OPERATIONS
 from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name
 from megatron_fp8rl.data.records import DatasetSchema
@@ -102,6 +103,12 @@ class ModelConfig:
                f"{self.fp8_backend!r} is not one of {MODEL_FP8_BACKENDS}")
         _check(self.fp8_backend == "ours" or self.fp8 != "none", "model.fp8_backend",
                "te runs an FP8 recipe: set model.fp8, or use fp8_backend=ours")
+        if self.fp8_backend == "te":
+            try:
+                megatron_fp8_fields(self.recipe())
+            except ValueError as error:
+                raise ValueError(f"model.fp8_backend: te cannot run model.fp8={self.fp8} as configured "
+                                 f"(model.fp8_recipe): {error}; use fp8_backend=ours") from None
         _check(self.dtype in MODEL_DTYPES, "model.dtype", f"{self.dtype!r} is not one of {MODEL_DTYPES}")
         _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
                "tensor_parallel and pipeline_parallel must be >= 1")

@@ -252,3 +252,15 @@ def test_rollout_section_is_the_sglang_settings_the_engine_starts_with(tmp_path)
 def test_sglang_settings_checks_name_the_rollout_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(RunConfig, None, ["model.hf_path=/x", "rollout.device=cpu", override])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.fp8=groupwise"], r"blocks \(1, 128\)/\(1, 128\): TE's Float8BlockScaling uses \(128, 128\)/\(1, 128\) only"),
+    (["model.fp8=calibrated", "model.fp8_recipe.reduce_amax=false"], r"reduce_amax=False: Megatron's TE recipes"),
+    (["model.fp8=tensorwise", "model.fp8_recipe.margin=1"], r"margin=1: TE's Float8CurrentScaling"),
+])
+def test_te_backend_refuses_at_load_what_megatrons_te_recipes_cannot_carry(overrides, message):
+    """Checked when the config is loaded, not when the actor builds its model on every rank."""
+    with pytest.raises(ConfigError, match=r"model.fp8_backend: te cannot run model.fp8=\w+ as configured .*" + message):
+        load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8_backend=te", *overrides])
+    load_config(RunConfig, None, ["model.hf_path=/x", *overrides])  # ours runs them
