@@ -1,11 +1,11 @@
 """YAML + dotted overrides -> a typed dataclass tree (OmegaConf structured configs underneath).
 
-Owns: `load_config`, `save_config`, `ConfigError`. Must not import: anything of ours above L0.
+Owns: `load_config`, `save_config`, `defaults`, `ConfigError`. Must not import: anything of ours above L0.
 
 Precedence: dataclass defaults < YAML file < overrides (`key.sub=value`, later wins). Unknown keys
 and wrong types raise `ConfigError` naming the full dotted key, with the closest valid key
-suggested; value checks in a dataclass's `__post_init__` raising ValueError are reported with the
-key path of the dataclass that raised.
+suggested; a ValueError from a dataclass's `__post_init__` (a value check) is reported as raised:
+each section's checks name their own dotted keys.
 """
 from __future__ import annotations
 
@@ -87,6 +87,12 @@ def load_config(schema: type[T], yaml_path: str | Path | None = None,
         raise _explain(exc, schema, "override" if overrides else "config") from None
     except ValueError as exc:  # a dataclass __post_init__ check
         raise ConfigError(f"invalid config: {exc}") from None
+
+
+def defaults(schema: type) -> dict[str, Any]:
+    """`schema`'s default values as a plain nested dict (its value checks not run)."""
+    _resolved_fields(schema)
+    return OmegaConf.to_container(OmegaConf.structured(schema))
 
 
 def to_yaml(cfg: Any) -> str:

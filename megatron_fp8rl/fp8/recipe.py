@@ -7,12 +7,16 @@ from each tensor's own amax) and `BlockwiseScaling` (128x128 weights, 1x128 acti
 gradients; `groupwise()`: 1x128 weight groups too). These specs are TE-free: our FP8 linear reads them directly, and
 megatron_fp8rl/compat/te_recipe.py translates `CalibratedDelayedScaling` into a subclass of TE's
 `DelayedScaling`, so both tiers compute scales from the same fields with the same functions.
+Also owns the recipe names (`RECIPE_NAMES`, `recipe_by_name`) and `RecipeOverrides`, the run
+config's typed overlay of every recipe field (trainer/config.py nests it as model.fp8_recipe).
 Must not import: megatron, transformer_engine, megatron_fp8rl.compat or anything above layer L0.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from megatron_fp8rl.fp8.calibration import check_criterion
 from megatron_fp8rl.fp8.formats import recipe_formats
@@ -169,11 +173,75 @@ RECIPE_NAMES = {
     "blockwise": BlockwiseScaling,
     "groupwise": groupwise,
 }
-"""Recipe name -> factory taking the recipe's keyword fields."""
+"""Recipe name -> factory of the named recipe (its own values; `recipe_by_name` replaces fields)."""
+FIXED_FIELDS = {"groupwise": ("weight_block", "activation_block")}
+"""Fields a name fixes: they are what the name means (groupwise's 1x128 weight groups are what
+aligned rollouts recompute; other blocks are the blockwise recipe)."""
+
+
+class RecipeFieldError(ValueError):
+    """A field override that a named recipe does not have or refuses; `fields` names the fields
+    at fault (several when only their combination is refused)."""
+
+    def __init__(self, message: str, fields: tuple[str, ...]):
+        super().__init__(message)
+        self.fields = fields
+
+
+def recipe_fields(name: str) -> tuple[str, ...]:
+    """The fields `recipe_by_name(name, ...)` may replace: its recipe class's, less FIXED_FIELDS."""
+    if name not in RECIPE_NAMES:
+        raise ValueError(f"unknown FP8 recipe {name!r}; valid: {', '.join(RECIPE_NAMES)}")
+    fixed = FIXED_FIELDS.get(name, ())
+    return tuple(f.name for f in dataclasses.fields(RECIPE_NAMES[name]()) if f.name not in fixed)
 
 
 def recipe_by_name(name: str, **fields) -> Fp8Recipe:
-    """Build the recipe called `name` (see RECIPE_NAMES); ValueError listing the valid names."""
-    if name not in RECIPE_NAMES:
-        raise ValueError(f"unknown FP8 recipe {name!r}; valid: {', '.join(RECIPE_NAMES)}")
-    return RECIPE_NAMES[name](**fields)
+    """The recipe called `name` (see RECIPE_NAMES) with `fields` replacing its own values, checked
+    by the recipe's class. ValueError listing the valid names; RecipeFieldError naming a field the
+    recipe does not have (listing those it has) or the field(s) whose value it refuses."""
+    accepted = recipe_fields(name)
+    unknown = [key for key in fields if key not in accepted]
+    if unknown:
+        raise RecipeFieldError(f"not a field of the {name!r} recipe (fields: {', '.join(accepted)})", (unknown[0],))
+    base = RECIPE_NAMES[name]()
+    try:
+        return dataclasses.replace(base, **fields)
+    except (TypeError, ValueError) as exc:
+        raise RecipeFieldError(str(exc), _refused_fields(base, fields)) from None
+
+
+def _refused_fields(base: Fp8Recipe, fields: dict) -> tuple[str, ...]:
+    """The first field `base` refuses on its own, else all of `fields` (their combination)."""
+    for key, value in fields.items():
+        try:
+            dataclasses.replace(base, **{key: value})
+        except (TypeError, ValueError):
+            return (key,)
+    return tuple(fields)
+
+
+def _set_fields(overrides) -> dict[str, object]:
+    """The fields of a RecipeOverrides that are set (not None), for `recipe_by_name`."""
+    return {key: value for key, value in dataclasses.asdict(overrides).items() if value is not None}
+
+
+def _overlay_fields() -> dict[str, object]:
+    """Every field of every recipe class -> its type; a name must mean one type in all."""
+    types: dict[str, object] = {}
+    for cls in typing.get_args(Fp8Recipe):
+        for key, hint in typing.get_type_hints(cls).items():
+            if types.setdefault(key, hint) != hint:
+                raise TypeError(f"recipe field {key!r} is {types[key]} in one recipe and {hint} in {cls.__name__}")
+    return types
+
+
+RecipeOverrides = dataclasses.make_dataclass(
+    "RecipeOverrides",
+    [(key, Optional[hint], dataclasses.field(default=None)) for key, hint in _overlay_fields().items()],
+    namespace={"__module__": __name__, "__doc__": (
+        "Values that replace a named recipe's own: one optional field per field of the recipe classes "
+        "above (same name, type and meaning; generated from them, so the two cannot drift). None keeps "
+        "the named recipe's value. `set_fields()` gives the ones set, for `recipe_by_name`."),
+        "set_fields": _set_fields},
+)

@@ -1,15 +1,17 @@
 """What the in-process SGLang engine and the SGLang server share: their configuration, the
 translation of our sampling parameters into SGLang's, and of SGLang's outputs into `RolloutSample`s.
 
-Owns: `SGLangConfig`, `MEMORY_TAGS`, `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`, and
-the rollout FP8 modes (`ROLLOUT_FP8`, `ACTIVATION_SCHEMES`, `FP8_BACKENDS`, `check_aligned_backend`,
-`check_fp8_checkpoint`): which FP8 checkpoint layout each mode serves and which SGLang quantization
-method serves it. trainer/config.py takes these names from here (one set of enums).
+Owns: `SGLangSettings` (the run config's rollout section is one), `SGLangConfig`, `MEMORY_TAGS`,
+`engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`, and the rollout FP8 modes
+(`ROLLOUT_FP8`, `ACTIVATION_SCHEMES`, `FP8_BACKENDS`, `check_aligned_backend`,
+`check_fp8_checkpoint`): which FP8 checkpoint layout each mode serves and which SGLang
+quantization method serves it. trainer/config.py takes these names and checks from here.
 Must not import: convert, data, trainer, cli; and not sglang itself (the server client
 never imports it).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,14 +46,18 @@ CPU_WATCHDOG_TIMEOUT_S = 3600.0
 """SGLang's scheduler watchdog on the CPU tier: the longest one forward batch may take."""
 
 
-@dataclass(frozen=True)
-class SGLangConfig:
-    """How to start SGLang for rollouts."""
+SGLANG_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""Dtypes SGLang serves in."""
 
-    model_path: str
-    """Hugging Face checkpoint folder (config.json + *.safetensors)."""
+
+@dataclass
+class SGLangSettings:
+    """How to start SGLang, whatever it serves: the user's settings (the run config's rollout
+    section is one: trainer/config.py). Errors name the field ("fp8: ..."); SGLangConfig and the
+    run config prefix them."""
+
     dtype: str = "auto"
-    """Weight/activation dtype SGLang serves in ("auto", "float32", "bfloat16")."""
+    """Weight/activation dtype SGLang serves in (one of SGLANG_DTYPES)."""
     device: str | None = None
     """"cpu" or "cuda"; None picks cuda when available."""
     attention_backend: str | None = None
@@ -60,43 +66,76 @@ class SGLangConfig:
     """Cap on KV-cache tokens; set it on CPU, where SGLang otherwise sizes the cache from host RAM."""
     mem_fraction_static: float | None = None
     """Fraction of device memory for weights + KV cache; None keeps SGLang's default."""
-    random_seed: int = 0
-    """SGLang's global seed."""
     deterministic: bool = False
     """SGLang's deterministic inference (needed for per-sample seeds to take effect)."""
-    skip_tokenizer_init: bool = True
-    """Prompts and outputs are token ids; SGLang loads no tokenizer."""
-    initial_weight_version: int = 0
-    """The version reported for the checkpoint's own weights."""
     log_level: str = "error"
     """SGLang's log level."""
     fp8: str = "none"
-    """Rollout FP8 mode (ROLLOUT_FP8); anything but none needs `model_path` to be an FP8
-    checkpoint of that layout (megatron_fp8rl.convert.fp8_export writes them)."""
+    """Rollout FP8 mode (ROLLOUT_FP8): none (serve `dtype`); blockwise (128x128 weight blocks,
+    1x128 activation groups: SGLang's native FP8 format); per_tensor (per-tensor weights,
+    activations per `activation_scheme`); aligned (the trainer's own FP8 weights and bounds, so
+    trainer and rollout quantize bit-identically). Anything but none needs an FP8 checkpoint of
+    that layout (megatron_fp8rl.convert.fp8_export writes them)."""
     activation_scheme: str = "dynamic"
     """per_tensor activations: dynamic (per-token scales) or static (the checkpoint's input_scale).
     aligned is always static; blockwise always dynamic."""
     fp8_backend: str = "ours"
-    """Which SGLang quantization method serves FP8 (FP8_BACKENDS). "sglang" cannot run on a CPU
-    without AMX and is not bit-aligned with the trainer."""
+    """Which SGLang quantization method serves FP8 (FP8_BACKENDS): ours (megatron_fp8rl's, the
+    trainer's FP8 arithmetic; runs on CPU; required by aligned) or sglang (SGLang's native fp8
+    kernels: GPU, or CPU with AMX; faster, not bit-aligned with the trainer)."""
     memory_saver: bool | None = None
     """In-process engine: let `release_memory` free device memory (SGLang's enable_memory_saver,
     torch_memory_saver). None: on for CUDA. GPU only (it hooks CUDA allocations); True is refused
     on the CPU."""
     extra: dict = field(default_factory=dict)
-    """Further SGLang ServerArgs, passed through unchanged."""
+    """Further SGLang ServerArgs, passed through unchanged (and last: they win)."""
 
     def __post_init__(self):
+        if self.dtype not in SGLANG_DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {SGLANG_DTYPES}")
         if self.memory_saver and self.resolved_device() == "cpu":
-            raise ValueError("SGLangConfig.memory_saver: torch_memory_saver frees CUDA memory only; "
+            raise ValueError("memory_saver: torch_memory_saver frees CUDA memory only; "
                              "on the CPU release_memory runs SGLang's protocol without it")
         if self.fp8 not in ROLLOUT_FP8:
-            raise ValueError(f"SGLangConfig.fp8: {self.fp8!r} is not one of {ROLLOUT_FP8}")
+            raise ValueError(f"fp8: {self.fp8!r} is not one of {ROLLOUT_FP8}")
         if self.activation_scheme not in ACTIVATION_SCHEMES:
-            raise ValueError(f"SGLangConfig.activation_scheme: {self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
+            raise ValueError(f"activation_scheme: {self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
         if self.fp8_backend not in FP8_BACKENDS:
-            raise ValueError(f"SGLangConfig.fp8_backend: {self.fp8_backend!r} is not one of {FP8_BACKENDS}")
-        check_aligned_backend(self.fp8, self.fp8_backend)
+            raise ValueError(f"fp8_backend: {self.fp8_backend!r} is not one of {FP8_BACKENDS}")
+        try:
+            check_aligned_backend(self.fp8, self.fp8_backend)
+        except ValueError as error:
+            raise ValueError(f"fp8_backend: {error}") from None
+
+    def resolved_device(self) -> str:
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class SGLangConfig(SGLangSettings):
+    """How to start SGLang for rollouts: the settings, and what this engine or server serves."""
+
+    model_path: str = field(kw_only=True)
+    """Hugging Face checkpoint folder (config.json + *.safetensors)."""
+    random_seed: int = 0
+    """SGLang's global seed."""
+    skip_tokenizer_init: bool = True
+    """Prompts and outputs are token ids; SGLang loads no tokenizer."""
+    initial_weight_version: int = 0
+    """The version reported for the checkpoint's own weights."""
+
+    def __post_init__(self):
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            raise ValueError(f"SGLangConfig.{error}") from None
+
+    @classmethod
+    def serving(cls, settings: SGLangSettings, model_path: str, **launch) -> "SGLangConfig":
+        """`settings` (every SGLangSettings field, whatever subclass holds them) serving
+        `model_path`; `launch`: random_seed, skip_tokenizer_init, initial_weight_version."""
+        own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(SGLangSettings)}
+        return cls(**own, model_path=str(model_path), **launch)
 
     def fp8_layouts(self) -> tuple[tuple[str, str], ...]:
         """The (scheme 'block'|'tensor', activation scheme) layouts the served checkpoint may
@@ -109,9 +148,6 @@ class SGLangConfig:
         if self.fp8 == "aligned":
             return ("tensor", "static"), ("block", "dynamic")
         return (("tensor", self.activation_scheme),)
-
-    def resolved_device(self) -> str:
-        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def check_aligned_backend(fp8: str, fp8_backend: str) -> None:

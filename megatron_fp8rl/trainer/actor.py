@@ -42,7 +42,7 @@ from megatron_fp8rl.trainer.batch import RolloutBatch, micro_batches, prompt_len
 from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
 from megatron_fp8rl.trainer.config import ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.megatron_step import (
-    OptimConfig, StepResult, build_optimizer, forward_backward, forward_only, step_result, wrap_ddp,
+    StepResult, build_optimizer, forward_backward, forward_only, step_result, wrap_ddp,
 )
 from megatron_fp8rl.trainer.objective import MiniBatchTerms, Objective
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors, served_scales, shares_scales
@@ -79,14 +79,15 @@ class MegatronActor:
     """The trained policy: a GPTModel chunk in Megatron DDP with its distributed optimizer, in
     `model_cfg.dtype` (bfloat16: Megatron mixed precision, trainer.megatron_step.wrap_ddp)."""
 
-    def __init__(self, init_dir: Path, model_cfg: ModelConfig, optim: OptimConfig, train_cfg: TrainConfig,
+    def __init__(self, init_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig,
                  objective: Objective, fp8_gemm: str = "auto", rollout_fp8: str = "none",
                  served_checkpoint: Path | None = None):
-        """`train_cfg`: its mini_batches and micro_batch_size; `objective`: the run's, built once;
-        `fp8_gemm`: our FP8 linears' GEMM (fp8.linear.GEMMS; RunConfig.trainer_fp8_gemm);
-        `rollout_fp8`: rollout.fp8; `served_checkpoint`: the FP8 checkpoint the rollout engine
-        starts from (trainer/rollout_fp8.py), whose scales it serves until the first weight sync;
-        needed when the two share scales (rollout_fp8.shares_scales)."""
+        """`train_cfg`: the optimizer's settings (it is an OptimConfig), mini_batches and
+        micro_batch_size; `objective`: the run's, built once; `fp8_gemm`: our FP8 linears' GEMM
+        (fp8.linear.GEMMS; RunConfig.trainer_fp8_gemm); `rollout_fp8`: rollout.fp8;
+        `served_checkpoint`: the FP8 checkpoint the rollout engine starts from
+        (trainer/rollout_fp8.py), whose scales it serves until the first weight sync; needed when
+        the two share scales (rollout_fp8.shares_scales)."""
         if shares_scales(rollout_fp8, model_cfg.fp8) and served_checkpoint is None:
             raise ValueError(f"rollout.fp8={rollout_fp8} with model.fp8={model_cfg.fp8} shares FP8 scales: "
                              "the actor needs the served FP8 checkpoint (served_checkpoint)")
@@ -96,8 +97,8 @@ class MegatronActor:
         model = build_model_from_hf(self.hf_config, params_dtype=getattr(torch, model_cfg.dtype),
                                     fp8_recipe=model_cfg.recipe(), fp8_backend=model_cfg.fp8_backend, fp8_gemm=fp8_gemm)
         _load_weights_only(model, init_dir)
-        self.model = wrap_ddp(model, distributed_optimizer=True)
-        self.optimizer = build_optimizer(self.model, optim)
+        self.model = wrap_ddp(model, distributed_optimizer=train_cfg.distributed_optimizer)
+        self.optimizer = build_optimizer(self.model, train_cfg)
         self.model_cfg, self.train_cfg, self.objective = model_cfg, train_cfg, objective
         self.rollout_fp8, self.served_checkpoint = rollout_fp8, served_checkpoint
         self.calibrator = ClipCalibrator(objective.algo) if objective.algo.clip_calibration == "shadow" else None

@@ -7,18 +7,18 @@ Must not import: cli.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
+from megatron_fp8rl.compat.te_recipe import megatron_fp8_fields
 from megatron_fp8rl.data.arithmetic import OPERATIONS
-from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe
+from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
-from megatron_fp8rl.rollout.sglang_common import ACTIVATION_SCHEMES, FP8_BACKENDS, ROLLOUT_FP8, check_aligned_backend
+from megatron_fp8rl.rollout.sglang_common import SGLANG_DTYPES, SGLangSettings
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
+from megatron_fp8rl.trainer.megatron_step import OptimConfig
 
 ALGORITHMS = ("grpo", "dapo", "gspo")
 ADVANTAGES = ("grpo", "grpo_no_std", "rloo")
@@ -48,7 +48,8 @@ def check_rollout_fp8(rollout_fp8: str, trainer_fp8: str) -> None:
 CLIP_CALIBRATIONS = ("none", "shadow")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+ROLLOUT_DTYPES = tuple(dtype for dtype in SGLANG_DTYPES if dtype != "auto")
+"""SGLang's dtypes but auto: a run compares the served dtype with model.dtype."""
 
 
 def _check(condition: bool, key: str, message: str) -> None:
@@ -76,10 +77,13 @@ class ModelConfig:
     """Megatron pipeline-parallel size."""
     fp8: str = "none"
     """Trainer FP8 recipe for every transformer linear: one of TRAINER_FP8."""
-    fp8_recipe: dict[str, Any] = field(default_factory=dict)
-    """Fields of the `fp8` recipe (megatron_fp8rl/fp8/recipe.py), e.g. for calibrated
-    {criterion: mse, margin: 0, amax_history_len: 16}; empty keeps the recipe's defaults. A field
-    the recipe does not have, or a value it refuses, is an error naming model.fp8_recipe."""
+    fp8_recipe: RecipeOverrides = field(default_factory=RecipeOverrides)
+    """Fields of the `fp8` recipe (fp8/recipe.py) replacing the named recipe's own values; null
+    keeps them. Megatron-LM's --fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo and
+    --fp8-format are margin, amax_history_len, amax_compute_algo and fp8_format here; the
+    calibrated recipe adds criterion, saturation_budget, overflow_tolerance, ...; blockwise its
+    blocks. A field the named recipe lacks, or a value it refuses, is an error naming
+    model.fp8_recipe.<field>."""
     fp8_backend: str = "ours"
     """Who computes the trainer's FP8 GEMMs (one of MODEL_FP8_BACKENDS): ours (our FP8 linear,
     torch._scaled_mm, on both tiers: the arithmetic aligned rollouts serve) or te (Transformer
@@ -90,39 +94,55 @@ class ModelConfig:
 
     def __post_init__(self):
         _check(self.fp8 in TRAINER_FP8, "model.fp8", f"{self.fp8!r} is not one of {TRAINER_FP8}")
-        _check(self.fp8 != "none" or not self.fp8_recipe, "model.fp8_recipe",
-               f"sets {sorted(self.fp8_recipe)} but model.fp8 is none")
+        overrides = self.fp8_recipe.set_fields()
+        _check(self.fp8 != "none" or not overrides, f"model.fp8_recipe.{next(iter(overrides), '')}",
+               f"sets {sorted(overrides)} but model.fp8 is none: no recipe to change")
         if self.fp8 != "none":
             self.recipe()  # refuse bad fields now, naming them
         _check(self.fp8_backend in MODEL_FP8_BACKENDS, "model.fp8_backend",
                f"{self.fp8_backend!r} is not one of {MODEL_FP8_BACKENDS}")
         _check(self.fp8_backend == "ours" or self.fp8 != "none", "model.fp8_backend",
                "te runs an FP8 recipe: set model.fp8, or use fp8_backend=ours")
+        if self.fp8_backend == "te":
+            try:
+                megatron_fp8_fields(self.recipe())
+            except ValueError as error:
+                raise ValueError(f"model.fp8_backend: te cannot run model.fp8={self.fp8} as configured "
+                                 f"(model.fp8_recipe): {error}; use fp8_backend=ours") from None
         _check(self.dtype in MODEL_DTYPES, "model.dtype", f"{self.dtype!r} is not one of {MODEL_DTYPES}")
         _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
                "tensor_parallel and pipeline_parallel must be >= 1")
 
-
     def recipe(self) -> Fp8Recipe | None:
-        """The trainer's FP8 recipe built from `fp8` and `fp8_recipe`; None without FP8.
-        ValueError naming model.fp8_recipe and the field for anything the recipe refuses."""
+        """The trainer's FP8 recipe: the `fp8` recipe with the `fp8_recipe` fields that are set;
+        None without FP8. ValueError naming model.fp8_recipe.<field> for what the recipe refuses."""
         if self.fp8 == "none":
             return None
-        factory = RECIPE_NAMES[self.fp8]
-        accepted = [name for name in inspect.signature(factory).parameters]
-        unknown = sorted(set(self.fp8_recipe) - set(accepted))
-        _check(not unknown, f"model.fp8_recipe.{unknown[0] if unknown else ''}",
-               f"not a field of the {self.fp8!r} recipe (fields: {', '.join(accepted)})")
         try:
-            return factory(**self.fp8_recipe)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"model.fp8_recipe ({self.fp8}): {exc}") from None
+            return recipe_by_name(self.fp8, **self.fp8_recipe.set_fields())
+        except RecipeFieldError as exc:
+            keys = ", ".join(f"model.fp8_recipe.{name}" for name in exc.fields)
+            raise ValueError(f"{keys} (model.fp8={self.fp8}): {exc}") from None
 
 
 @dataclass
-class RolloutConfig:
-    """Sampling and the SGLang engine."""
+class RolloutConfig(SGLangSettings):
+    """Sampling, and how SGLang starts: this section is an SGLangSettings
+    (rollout/sglang_common.py: dtype, device, attention_backend, max_total_tokens,
+    mem_fraction_static, deterministic, log_level, fp8, activation_scheme, fp8_backend,
+    memory_saver, extra; checked there), which serves model.hf_path, or its FP8 export for
+    rollout.fp8, seeded with train.seed. In a run, rollout.fp8=aligned needs model.fp8 in
+    ALIGNED_RECIPES: groupwise (step-0 accuracy within 1 point of float32 on mul/mul2, 5 points
+    lower on add/mul; README), or a per-tensor recipe such as calibrated; rollout.deterministic
+    derives per-sample seeds from (train.seed, step), so a resumed run's rollouts equal an
+    uninterrupted run's (exact resume), at some speed cost."""
 
+    dtype: str = "float32"
+    """Dtype SGLang serves in (ROLLOUT_DTYPES): model.dtype, unless rollout.fp8 is blockwise or
+    per_tensor (then the unquantized parts, e.g. lm_head and norms, are served in it)."""
+    max_total_tokens: int | None = 8192
+    """SGLang KV-cache size in tokens (required on CPU; null: SGLang sizes it from
+    mem_fraction_static)."""
     n_samples: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -131,24 +151,6 @@ class RolloutConfig:
     """Nucleus sampling."""
     max_new_tokens: int = 32
     """Response length cap."""
-    dtype: str = "float32"
-    """Dtype SGLang serves in: model.dtype, unless rollout.fp8 is blockwise or per_tensor (then the
-    unquantized parts, e.g. lm_head and norms, are served in it)."""
-    max_total_tokens: int = 8192
-    """SGLang KV-cache size in tokens (required on CPU)."""
-    fp8: str = "none"
-    """Rollout FP8 (one of ROLLOUT_FP8): none (serve `dtype`); blockwise (128x128 weight blocks,
-    1x128 activation groups: SGLang's native FP8 format); per_tensor (per-tensor weights,
-    activations per `activation_scheme`); aligned (the trainer's own FP8 weights and bounds, so
-    trainer and rollout quantize bit-identically; needs model.fp8 in ALIGNED_RECIPES: groupwise
-    (step-0 accuracy within 1 point of float32 on mul/mul2, 5 points lower on add/mul; README), or
-    a per-tensor recipe such as calibrated)."""
-    activation_scheme: str = "dynamic"
-    """per_tensor activations: dynamic (per-token scales) or static (calibrated input_scale)."""
-    fp8_backend: str = "ours"
-    """Which SGLang quantization method serves FP8 rollouts (one of FP8_BACKENDS): ours
-    (megatron_fp8rl's, the trainer's FP8 arithmetic; runs on CPU; required by aligned) or sglang
-    (SGLang's native fp8 kernels: GPU, or CPU with AMX; faster, not bit-aligned)."""
     mode: str = "colocated"
     """colocated (SGLang beside trainer rank 0, its memory released while training) or
     disaggregated (an SGLang server on other devices or nodes)."""
@@ -165,27 +167,21 @@ class RolloutConfig:
     empty inherits this process's devices."""
     server_tp: int = 1
     """disaggregated, server started here: SGLang tensor-parallel size."""
-    deterministic: bool = False
-    """SGLang deterministic inference with per-sample seeds derived from (train.seed, step): the
-    rollouts of a resumed run equal an uninterrupted run's (exact resume), at some speed cost."""
 
     def __post_init__(self):
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            raise ValueError(f"rollout.{error}") from None
         _check(self.n_samples >= 2, "rollout.n_samples", f"must be >= 2 for group advantages, got {self.n_samples}")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _check_number(self.temperature, "rollout.temperature", 0)
         _check_number(self.top_p, "rollout.top_p", 0, 1, low_open=True)
-        _check(self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"{self.dtype!r} is not one of {ROLLOUT_DTYPES}")
-        _check(self.max_total_tokens > self.max_new_tokens, "rollout.max_total_tokens",
+        _check(self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"{self.dtype!r} is not one of {ROLLOUT_DTYPES} "
+               "(the trainer compares its logprobs with a known served dtype)")
+        _check(self.max_total_tokens is None or self.max_total_tokens > self.max_new_tokens, "rollout.max_total_tokens",
                f"must exceed rollout.max_new_tokens ({self.max_new_tokens}), got {self.max_total_tokens}")
-        _check(self.fp8 in ROLLOUT_FP8, "rollout.fp8", f"{self.fp8!r} is not one of {ROLLOUT_FP8}")
-        _check(self.activation_scheme in ACTIVATION_SCHEMES, "rollout.activation_scheme",
-               f"{self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
-        _check(self.fp8_backend in FP8_BACKENDS, "rollout.fp8_backend",
-               f"{self.fp8_backend!r} is not one of {FP8_BACKENDS}")
-        try:
-            check_aligned_backend(self.fp8, self.fp8_backend)
-        except ValueError as error:
-            raise ValueError(f"rollout.fp8_backend: {error}") from None
+        _check("tp_size" not in self.extra, "rollout.extra.tp_size", "use rollout.server_tp (disaggregated)")
         _check(self.mode in ROLLOUT_MODES, "rollout.mode", f"{self.mode!r} is not one of {ROLLOUT_MODES}")
         _check(self.weight_transfer in WEIGHT_TRANSFERS, "rollout.weight_transfer",
                f"{self.weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
@@ -391,8 +387,10 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
-    """The optimization schedule."""
+class TrainConfig(OptimConfig):
+    """The optimization schedule, and the actor's optimizer: this section is an OptimConfig
+    (trainer/megatron_step.py: train.lr, weight_decay, adam_beta1, adam_beta2, clip_grad,
+    distributed_optimizer, checked there) that the actor builds its optimizer from."""
 
     steps: int = 10
     """RL steps (each: rollout, one or more optimizer steps, weight sync)."""
@@ -400,12 +398,6 @@ class TrainConfig:
     """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward."""
-    lr: float = 1e-5
-    """Adam learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    clip_grad: float = 1.0
-    """Global grad-norm clip."""
     seed: int = 1234
     """Seed for model init, data order and sampling."""
     eval_every: int = 5
@@ -414,12 +406,15 @@ class TrainConfig:
     """Continue a run_dir made with a different config (same model); refused otherwise."""
 
     def __post_init__(self):
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            raise ValueError(f"train.{error}") from None
+        _check(self.distributed_optimizer, "train.distributed_optimizer", "false is not wired: the actor's "
+               "DDP buffers, weight sync and checkpoints run Megatron's distributed optimizer only")
         _check(self.steps >= 1, "train.steps", "must be >= 1")
         _check(self.mini_batches >= 1, "train.mini_batches", f"must be >= 1, got {self.mini_batches}")
         _check(self.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
-        _check_number(self.lr, "train.lr", 0, low_open=True)
-        _check_number(self.weight_decay, "train.weight_decay", 0)
-        _check_number(self.clip_grad, "train.clip_grad", 0, low_open=True)
         _check(self.eval_every >= 0, "train.eval_every", f"must be >= 0 (0: never), got {self.eval_every}")
 
 

@@ -29,7 +29,6 @@ from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.objective import Objective
 from megatron_fp8rl.trainer.rl_step import Prompts, StepContext, rl_step, sync_weights
 from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT
@@ -67,15 +66,11 @@ def _start_engine(cfg: RunConfig):
     return SGLangEngine(_sglang_config(cfg), bucket_mb=cfg.rollout.bucket_mb)
 
 
-def _sglang_config(cfg: RunConfig, **extra):
-    """The one translation of the rollout section into the SGLang engine's or server's config."""
+def _sglang_config(cfg: RunConfig):
+    """The rollout section (an SGLangSettings) serving this run's checkpoint, seeded with train.seed."""
     from megatron_fp8rl.rollout.sglang_common import SGLangConfig
 
-    rollout = cfg.rollout
-    return SGLangConfig(model_path=str(_rollout_model_path(cfg)), dtype=rollout.dtype,
-                        max_total_tokens=rollout.max_total_tokens, random_seed=cfg.train.seed,
-                        deterministic=rollout.deterministic, fp8=rollout.fp8,
-                        activation_scheme=rollout.activation_scheme, fp8_backend=rollout.fp8_backend, **extra)
+    return SGLangConfig.serving(cfg.rollout, _rollout_model_path(cfg), random_seed=cfg.train.seed)
 
 
 def _rollout_model_path(cfg: RunConfig) -> Path:
@@ -102,7 +97,9 @@ def _start_server(cfg: RunConfig):
     from megatron_fp8rl.rollout.sglang_server import SGLangServer
 
     rollout, run_dir = cfg.rollout, Path(cfg.run_dir)
-    config = _sglang_config(cfg, extra={"tp_size": rollout.server_tp} if rollout.server_tp > 1 else {})
+    config = _sglang_config(cfg)
+    if rollout.server_tp > 1:
+        config.extra = {**config.extra, "tp_size": rollout.server_tp}
     return SGLangServer(config, url=rollout.server_url or None, weight_transfer=rollout.weight_transfer,
                         bucket_mb=rollout.bucket_mb, devices=rollout.server_devices or None,
                         update_dir=run_dir / "weight_updates", log_path=run_dir / "sglang_server.log")
@@ -232,8 +229,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
         save_config(cfg, run_dir / "config.yaml")
         convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     dist.barrier()
-    optim = OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, clip_grad=cfg.train.clip_grad)
-    actor = MegatronActor(run_dir / "init_megatron", cfg.model, optim, cfg.train,
+    actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                           Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
                           rollout_fp8=cfg.rollout.fp8, served_checkpoint=run_dir / ROLLOUT_CHECKPOINT)
     engine = None

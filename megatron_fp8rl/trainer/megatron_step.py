@@ -5,6 +5,7 @@ Must not import: cli. The RL loss is passed in as a function; this module knows 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -30,12 +31,13 @@ LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torc
 ForwardFn = Callable[[torch.nn.Module, MicroBatch], torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass
 class OptimConfig:
-    """Optimizer settings for the actor."""
+    """Optimizer settings for the actor (the run config's `train` section is one: trainer/config.py).
+    Errors name the field ("lr: ..."); the run config prefixes its section."""
 
     lr: float = 1e-5
-    """Peak learning rate."""
+    """Adam learning rate (constant)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -43,9 +45,19 @@ class OptimConfig:
     adam_beta2: float = 0.999
     """Adam beta2."""
     clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
+    """Global gradient-norm clip (0 disables it, as Megatron-LM's --clip-grad 0; grad_norm is then
+    reported as nan)."""
     distributed_optimizer: bool = True
     """Shard optimizer state over the data-parallel group (Megatron's distributed optimizer)."""
+
+    def __post_init__(self):
+        for name, low_open in (("lr", True), ("weight_decay", False), ("clip_grad", False)):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and (value > 0 if low_open else value >= 0)):
+                raise ValueError(f"{name}: must be a finite number {'>' if low_open else '>='} 0, got {value}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
 
 
 def wrap_ddp(model: torch.nn.Module, distributed_optimizer: bool) -> DistributedDataParallel:

@@ -4,7 +4,8 @@ Owns: `<run_dir>/provenance.json` (the starting HF checkpoint's path and content
 the run's config as dotted keys), written when a run first claims the folder, and
 `check_run_dir`, which refuses a run whose model differs from the recorded one (its converted
 `init_megatron` and checkpoints belong to that model) or whose config differs in anything but
-RESUMABLE_KEYS, unless `train.resume_changed_config`. A folder holding a previous run's outputs
+RESUMABLE_KEYS, unless `train.resume_changed_config` (a key the recorded run predates counts
+at its default: the behaviour the run had before the key existed). A folder holding a previous run's outputs
 without a provenance record is refused too: what it was made from cannot be told. A run_dir or
 checkpoint.dir this process cannot write is refused before anything starts, naming the key.
 Must not import: cli.
@@ -16,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_fp8rl.config.loader import defaults
 from megatron_fp8rl.convert.integrity import hf_fingerprint
 from megatron_fp8rl.convert.outputs import writable_problem
 
@@ -56,7 +58,8 @@ def _model_mismatch(run_dir: Path, old: dict, new: dict) -> str:
             "use a new run_dir.")
 
 
-def _config_mismatch(run_dir: Path, old: dict, new: dict) -> str | None:
+def _config_mismatch(run_dir: Path, old: dict, new: dict, default: dict) -> str | None:
+    old = {**{k: v for k, v in default.items() if k in new}, **old}  # keys added since: their defaults
     keys = sorted(k for k in set(old) | set(new)
                   if k not in RESUMABLE_KEYS and k != "train.resume_changed_config"
                   and old.get(k) != new.get(k))
@@ -85,7 +88,8 @@ def check_run_dir(cfg) -> dict[str, Any]:
     old = json.loads(path.read_text())
     if old["model_fingerprint"] != record["model_fingerprint"]:
         raise RunDirError(_model_mismatch(run_dir, old, record))
-    config_error = _config_mismatch(run_dir, old["config"], record["config"])
+    default = _dotted(json.loads(json.dumps(defaults(type(cfg)))))
+    config_error = _config_mismatch(run_dir, old["config"], record["config"], default)
     if config_error and not cfg.train.resume_changed_config:
         raise RunDirError(config_error)
     return old if not config_error else record

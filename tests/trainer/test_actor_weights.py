@@ -13,7 +13,6 @@ from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.models.hf import build_conversion_target
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
-from megatron_fp8rl.trainer.megatron_step import OptimConfig
 from megatron_fp8rl.trainer.objective import Objective
 from tests.helpers.tiny_models import build_tiny_model
 
@@ -32,7 +31,7 @@ def converted(megatron_tp1, tmp_path_factory):
 @pytest.mark.parametrize("fp8", ["none", "calibrated"])
 def test_in_memory_weights_equal_the_checkpoint_round_trip(megatron_tp1, converted, tmp_path, fp8):
     model, init = converted
-    actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), OptimConfig(), TrainConfig(),
+    actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), TrainConfig(),
                           Objective(AlgorithmConfig(), max_response_length=8))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # trained weights: neither side may fall back to the converted start

@@ -1,4 +1,5 @@
 """Run-config errors surface before any expensive work, naming the key or the file."""
+import dataclasses
 import re
 
 import pytest
@@ -31,7 +32,9 @@ def test_unknown_key_suggests_closest(capsys):
     ("train.lr=-1e-5", r"train.lr: must be a finite number > 0, got -1e-05"),
     ("train.lr=nan", r"train.lr: must be a finite number > 0, got nan"),
     ("train.weight_decay=inf", r"train.weight_decay: must be a finite number >= 0, got inf"),
-    ("train.clip_grad=0", r"train.clip_grad: must be a finite number > 0"),
+    ("train.clip_grad=-1", r"train.clip_grad: must be a finite number >= 0, got -1"),
+    ("train.adam_beta2=1", r"train.adam_beta2: must be in \[0, 1\), got 1"),
+    ("train.distributed_optimizer=false", r"train.distributed_optimizer: false is not wired"),
     ("train.eval_every=-1", r"train.eval_every: must be >= 0"),
     ("train.micro_batch_size=0", r"train.micro_batch_size: must be >= 1"),
     ("rollout.temperature=-0.5", r"rollout.temperature: must be a finite number >= 0, got -0.5"),
@@ -192,11 +195,72 @@ def test_fp8_recipe_fields_are_settable_and_checked():
                                          "model.fp8_recipe.weight_block=[64,128]"]).model.recipe().weight_block == (64, 128)
     for overrides, message in (
             (["model.fp8=calibrated", "model.fp8_recipe.criterion_x=mse"],
-             r"model.fp8_recipe.criterion_x: not a field of the 'calibrated' recipe \(fields: fp8_format, margin,"),
+             r"unknown config key 'model.fp8_recipe.criterion_x'; did you mean 'model.fp8_recipe.criterion'"),
+            (["model.fp8=calibrated", "model.fp8_recipe.margin=two"], r"bad value for 'model.fp8_recipe.margin'"),
             (["model.fp8=calibrated", "model.fp8_recipe.margin=-1"],
-             r"model.fp8_recipe \(calibrated\): margin must be an integer >= 0, found -1"),
+             r"model.fp8_recipe.margin \(model.fp8=calibrated\): margin must be an integer >= 0, found -1"),
+            (["model.fp8=calibrated", "model.fp8_recipe.margin=0", "model.fp8_recipe.fp8_format=e5m2"],
+             r"model.fp8_recipe.fp8_format \(model.fp8=calibrated\): unknown FP8 recipe format 'e5m2'"),
+            (["model.fp8=calibrated", "model.fp8_recipe.amax_compute_algo=most_recent"],
+             r"model.fp8_recipe.amax_compute_algo \(model.fp8=calibrated\): not a field of the 'calibrated' recipe "
+             r"\(fields: fp8_format, margin,"),
             (["model.fp8=groupwise", "model.fp8_recipe.weight_block=[128,128]"],
-             r"model.fp8_recipe.weight_block: not a field of the 'groupwise' recipe \(fields: fp8_format\)"),
-            (["model.fp8_recipe.margin=0"], r"model.fp8_recipe: sets \['margin'\] but model.fp8 is none")):
+             r"model.fp8_recipe.weight_block \(model.fp8=groupwise\): not a field of the 'groupwise' recipe "
+             r"\(fields: fp8_format\)"),
+            (["model.fp8_recipe.margin=0"], r"model.fp8_recipe.margin: sets \['margin'\] but model.fp8 is none")):
         with pytest.raises(ConfigError, match=message):
             load_config(RunConfig, None, ["model.hf_path=/x", *overrides])
+
+
+@pytest.mark.parametrize("name, history, algo", [("te_delayed", 1024, "max"), ("megatron_delayed", 1, "most_recent")])
+def test_delayed_recipes_take_megatron_lms_fp8_flags_over_their_own_defaults(name, history, algo):
+    """--fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo: unset fields keep the name's values."""
+    named = load_config(RunConfig, None, ["model.hf_path=/x", f"model.fp8={name}"]).model.recipe()
+    assert (named.margin, named.amax_history_len, named.amax_compute_algo) == (0, history, algo)
+    recipe = load_config(RunConfig, None, ["model.hf_path=/x", f"model.fp8={name}", "model.fp8_recipe.margin=1",
+                                           "model.fp8_recipe.amax_history_len=16"]).model.recipe()
+    assert (recipe.margin, recipe.amax_history_len, recipe.amax_compute_algo) == (1, 16, algo)
+
+def test_rollout_section_is_the_sglang_settings_the_engine_starts_with(tmp_path):
+    """Every SGLangSettings field set under rollout reaches the SGLangConfig the loop starts SGLang
+    with, beside the served checkpoint and train.seed; engine_kwargs passes them on."""
+    from megatron_fp8rl.rollout.sglang_common import SGLangSettings, engine_kwargs
+    from megatron_fp8rl.trainer.loop import _sglang_config
+
+    cfg = load_config(RunConfig, None, [f"model.hf_path={tmp_path}", "model.dtype=bfloat16", "rollout.dtype=bfloat16",
+                                        "rollout.device=cpu", "rollout.attention_backend=triton",
+                                        "rollout.max_total_tokens=4096", "rollout.mem_fraction_static=0.5",
+                                        "rollout.deterministic=true", "rollout.log_level=info",
+                                        "rollout.activation_scheme=static", "rollout.fp8_backend=sglang",
+                                        "rollout.memory_saver=false", "rollout.extra.chunked_prefill_size=256",
+                                        "train.seed=7"])
+    config = _sglang_config(cfg)
+    names = [f.name for f in dataclasses.fields(SGLangSettings)]
+    assert {name: getattr(config, name) for name in names} == {name: getattr(cfg.rollout, name) for name in names}
+    assert {name: getattr(config, name) for name in names} != {name: getattr(SGLangSettings(), name) for name in names}
+    kwargs = engine_kwargs(config)
+    assert (kwargs["model_path"], kwargs["random_seed"], kwargs["dtype"]) == (str(tmp_path), 7, "bfloat16")
+    assert (kwargs["attention_backend"], kwargs["mem_fraction_static"], kwargs["chunked_prefill_size"]) == ("triton", 0.5, 256)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.memory_saver=true", r"rollout.memory_saver: torch_memory_saver frees CUDA memory only"),
+    ("rollout.dtype=auto", r"rollout.dtype: 'auto' is not one of \('float32', 'bfloat16', 'float16'\)"),
+    ("rollout.extra.tp_size=2", r"rollout.extra.tp_size: use rollout.server_tp"),
+    ("rollout.activation_scheme=per_token", r"rollout.activation_scheme: 'per_token' is not one of"),
+])
+def test_sglang_settings_checks_name_the_rollout_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, ["model.hf_path=/x", "rollout.device=cpu", override])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.fp8=groupwise"], r"blocks \(1, 128\)/\(1, 128\): TE's Float8BlockScaling uses \(128, 128\)/\(1, 128\) only"),
+    (["model.fp8=calibrated", "model.fp8_recipe.reduce_amax=false"], r"reduce_amax=False: Megatron's TE recipes"),
+    (["model.fp8=tensorwise", "model.fp8_recipe.margin=1"], r"margin=1: TE's Float8CurrentScaling"),
+])
+def test_te_backend_refuses_at_load_what_megatrons_te_recipes_cannot_carry(overrides, message):
+    """Checked when the config is loaded, not when the actor builds its model on every rank."""
+    with pytest.raises(ConfigError, match=r"model.fp8_backend: te cannot run model.fp8=\w+ as configured .*" + message):
+        load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8_backend=te", *overrides])
+    load_config(RunConfig, None, ["model.hf_path=/x", *overrides])  # ours runs them

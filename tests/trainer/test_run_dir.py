@@ -2,6 +2,7 @@
 the same config.json and shapes) or another config is refused naming both; the same inputs under a
 moved path continue it. The end-to-end case starts torchrun with 1 process and fails before any
 SGLang process starts."""
+import json
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.run_dir import RunDirError, check_run_dir, claim_run_dir
+from megatron_fp8rl.trainer.run_dir import PROVENANCE, RunDirError, check_run_dir, claim_run_dir
 from tests.helpers.processes import REPO, meet_permission_bits
 from tests.helpers.tiny_models import build_tiny_model
 
@@ -49,6 +50,17 @@ def test_changed_config_is_refused_unless_asked(models, tmp_path):
         check_run_dir(_cfg(models["a"], tmp_path, lr=1e-3))
     record = check_run_dir(_cfg(models["a"], tmp_path, lr=1e-3, resume_changed_config=True))
     assert record["config"]["train.lr"] == 1e-3
+
+
+def test_keys_added_since_the_record_count_at_their_defaults(models, tmp_path):
+    """A run recorded before train.adam_beta1 existed ran with its default: resuming it is no change."""
+    claim_run_dir(tmp_path, check_run_dir(_cfg(models["a"], tmp_path)))
+    record = json.loads((tmp_path / PROVENANCE).read_text())
+    del record["config"]["train.adam_beta1"]
+    (tmp_path / PROVENANCE).write_text(json.dumps(record))
+    check_run_dir(_cfg(models["a"], tmp_path))
+    with pytest.raises(RunDirError, match=r"different config \(train.adam_beta1: 0.9 -> 0.8\)"):
+        check_run_dir(_cfg(models["a"], tmp_path, adam_beta1=0.8))
 
 
 def test_previous_outputs_without_record_are_refused(models, tmp_path):
