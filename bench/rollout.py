@@ -63,7 +63,7 @@ def _trainer_logprobs(model, samples, scales=None, ulp_noise=False) -> torch.Ten
     """Logprobs of the sampled tokens, attention called as SGLang called it; `ulp_noise`: each FP8 linear's input times
     1 + {-1, 0, 1} * 2**-23 (seeded), the size of SGLang's remaining fp32 differences."""
     from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
-    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_decoder_linears, frozen_fp8_scales
+    from megatron_fp8rl.models.megatron_fp8_linear import fp8_decoder_linears, frozen_fp8_scales
 
     generator = torch.Generator().manual_seed(0)
 
@@ -122,7 +122,7 @@ def _rollout(model_dir: Path, args, prompts, fp8="none", dtype="float32", before
 def run(args) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
-    from megatron_fp8rl.compat.megatron_fp8_linear import shared_fp8_scales
+    from megatron_fp8rl.models.megatron_fp8_linear import shared_fp8_scales
     from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
     from megatron_fp8rl.data.arithmetic import arithmetic_records
     from megatron_fp8rl.data.records import prompt_token_ids

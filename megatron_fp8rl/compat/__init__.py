@@ -4,7 +4,6 @@ Owns:
 - `versions`: the version gate every entry point calls, and the signature checks of our overrides.
 - `megatron_cpu`: running megatron-core on CPU (CUDA calls redirected, device arguments rewritten).
 - `megatron_optim`: megatron-core optimizer checkpoint quirks without Apex/TE (raising walks).
-- `megatron_fp8_linear`: Megatron local-spec linears computing through our FP8 linear.
 - `te_recipe`: our FP8 recipe as a Transformer Engine `DelayedScaling` subclass (TE imported lazily),
   and the Megatron TransformerConfig fields / recipe hook of model.fp8_backend=te.
 - `sglang_cpu`: SGLang's CUDA-only imports on CPU.

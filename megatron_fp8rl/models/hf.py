@@ -27,7 +27,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_fp8rl.compat.megatron_attention import with_sdpa_attention
-from megatron_fp8rl.compat.megatron_fp8_linear import fp8_local_layer_spec
+from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
 from megatron_fp8rl.compat.te_recipe import (
     install_megatron_recipe, megatron_fp8_fields, restore_megatron_recipe,
 )
@@ -198,7 +198,7 @@ def layer_spec(
     `fp8_recipe`), else local.
 
     With `fp8_recipe` and not `use_te`, the local spec's linears are our FP8 drop-ins
-    (megatron_fp8rl.compat.megatron_fp8_linear); with `use_te`, FP8 comes from TE's autocast
+    (megatron_fp8rl.models.megatron_fp8_linear); with `use_te`, FP8 comes from TE's autocast
     (the config fields of `te_fp8_overrides`), so the spec is unchanged. Both specs store the
     same checkpoint keys (the local spec maps its separate norms onto TE's fused names).
     `fp8_gemm`: our FP8 linears' GEMM (fp8.linear.GEMMS; batch_invariant for aligned rollouts).

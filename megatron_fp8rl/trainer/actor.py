@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
-from megatron_fp8rl.compat.megatron_fp8_linear import (
+from megatron_fp8rl.models.megatron_fp8_linear import (
     fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
 )
 from megatron_fp8rl.compat.process_env import torchrun_free_env

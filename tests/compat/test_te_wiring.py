@@ -105,7 +105,7 @@ def test_recipe_with_backend_ours_keeps_our_fp8_linears_where_te_is_usable(monke
     off). Now a recipe without backend te always gets our FP8 linears in the local spec."""
     import importlib.util
 
-    from megatron_fp8rl.compat.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    from megatron_fp8rl.models.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
     from megatron_fp8rl.models import hf
 
     real_find_spec = importlib.util.find_spec
@@ -122,7 +122,7 @@ def test_recipe_with_backend_ours_keeps_our_fp8_linears_where_te_is_usable(monke
 def test_aligned_rollouts_build_the_trainer_on_the_batch_invariant_gemm(megatron_tp1):
     """rollout.fp8=aligned: the trainer's FP8 linears run gemm=batch_invariant (the Triton kernel
     the SGLang fp8rl method runs on GPU, 'exact' on CPU); other runs keep auto."""
-    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_decoder_linears
+    from megatron_fp8rl.models.megatron_fp8_linear import fp8_decoder_linears
     from megatron_fp8rl.config.loader import load_config
     from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
     from megatron_fp8rl.models.hf import build_model_from_hf
