@@ -17,7 +17,7 @@ Settings (rollout / trainer; every rollout samples the same prompts at temperatu
                   layers). The aligned row avoids it with identical arithmetic on both sides: the
                   'exact' FP8 GEMM (fp8/linear.py: the exact sum, whatever the batch) and the
                   trainer's attention repeating SGLang's torch_native calls
-                  (compat/megatron_attention.py, the trainer's logprob forward does the same).
+                  (models/megatron_attention.py, the trainer's logprob forward does the same).
 Mismatch per setting over all sampled tokens (rl.metrics.mismatch_metrics): mean |delta logp|,
 k3 KL(rollout || trainer), exp(mean |delta logp|). Throughput: generated tokens / generate seconds
 (engine start excluded), as a ratio to fp32 measured in the same run. The box is shared and noisy:
@@ -62,7 +62,7 @@ def _megatron(hf_dir: Path, mcore: Path, recipe=None, dtype=torch.float32):
 def _trainer_logprobs(model, samples, scales=None, ulp_noise=False) -> torch.Tensor:
     """Logprobs of the sampled tokens, attention called as SGLang called it; `ulp_noise`: each FP8 linear's input times
     1 + {-1, 0, 1} * 2**-23 (seeded), the size of SGLang's remaining fp32 differences."""
-    from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
+    from megatron_fp8rl.models.megatron_attention import sglang_call_layout
     from megatron_fp8rl.models.megatron_fp8_linear import fp8_decoder_linears, frozen_fp8_scales
 
     generator = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
 Owns: turning a model description into a Megatron `TransformerConfig`, a layer spec and a
 `GPTModel`, and the product layers that go into it: our FP8 Megatron linears
-(megatron_fp8_linear.py). Must not import: convert, rollout, data, trainer, cli (layer L2 imports
+(megatron_fp8_linear.py) and the SGLang-layout SDPA attention (megatron_attention.py). Must not import: convert, rollout, data, trainer, cli (layer L2 imports
 only L0/L1).
 The family files (family.py, families/, registry.py) are pure data that every
 layer above reads, the SGLang plugin included: they import only the standard library.

@@ -26,7 +26,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_fp8rl.compat.megatron_attention import with_sdpa_attention
+from megatron_fp8rl.models.megatron_attention import with_sdpa_attention
 from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
 from megatron_fp8rl.compat.te_recipe import (
     install_megatron_recipe, megatron_fp8_fields, restore_megatron_recipe,

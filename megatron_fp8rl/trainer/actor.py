@@ -26,7 +26,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
+from megatron_fp8rl.models.megatron_attention import sglang_call_layout
 from megatron_fp8rl.models.megatron_fp8_linear import (
     fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
 )
@@ -119,7 +119,7 @@ class MegatronActor:
     def _forward_as_served(chunk: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """The logprob forward: attention call for call as SGLang's torch_native backend served
         each sequence (prompt prefill, then one row at a time), so that with the exact FP8 GEMM
-        the recompute has the rollout's bits (compat/megatron_attention.py; TE attention, the
+        the recompute has the rollout's bits (models/megatron_attention.py; TE attention, the
         GPU tier, ignores the layout)."""
         with sglang_call_layout(prompt_lengths(batch.response_mask)):
             return chunk(batch.tokens, batch.position_ids, None)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
+from megatron_fp8rl.models.megatron_attention import sglang_call_layout
 from megatron_fp8rl.models.megatron_fp8_linear import frozen_fp8_scales, shared_fp8_scales
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron

@@ -10,7 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_fp8rl.compat import sglang_cpu
 from megatron_fp8rl.compat.aligned_threads import pin_torch_native_attention_threads
-from megatron_fp8rl.compat.megatron_attention import SdpaAttention, sglang_call_layout
+from megatron_fp8rl.models.megatron_attention import SdpaAttention, sglang_call_layout
 
 HEADS, GROUPS, DIM = 9, 3, 64  # SmolLM2-135M's attention (GQA 3:1)
 
@@ -159,7 +159,7 @@ def test_the_aligned_calls_run_single_threaded_on_both_sides(megatron_tp1):
     runs one intra-op thread, and the caller's count is back afterwards."""
     import torch.nn.functional as functional
 
-    from megatron_fp8rl.compat import megatron_attention
+    from megatron_fp8rl.models import megatron_attention
 
     seen = []
     original = functional.scaled_dot_product_attention
