@@ -2,7 +2,7 @@
 
 Owns: `single_threaded()` (a block in which torch's intra-op pool has one thread) and
 `pin_torch_native_attention_threads()` (SGLang's torch_native attention calls run single-threaded).
-Must not import: anything of ours above layer L1; sglang only inside the patch function.
+Must not import: anything of ours above layer L2; sglang only inside the patch function.
 
 Why: aligned rollouts need the trainer's attention (models/megatron_attention.py, which repeats
 SGLang's calls) to have SGLang's bits. torch's CPU SDPA splits work across its intra-op threads
