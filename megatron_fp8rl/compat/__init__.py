@@ -4,8 +4,6 @@ Owns:
 - `versions`: the version gate every entry point calls, and the signature checks of our overrides.
 - `megatron_cpu`: running megatron-core on CPU (CUDA calls redirected, device arguments rewritten).
 - `megatron_optim`: megatron-core optimizer checkpoint quirks without Apex/TE (raising walks).
-- `te_recipe`: our FP8 recipe as a Transformer Engine `DelayedScaling` subclass (TE imported lazily),
-  and the Megatron TransformerConfig fields / recipe hook of model.fp8_backend=te.
 - `sglang_cpu`: SGLang's CUDA-only imports on CPU.
 - `safe_dcp`: torch.distributed.checkpoint loads that unpickle only checkpoint metadata classes.
 - `tcp_store`: TCPStores that listen on their address only (torch listens on every interface).

@@ -28,7 +28,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_fp8rl.models.megatron_attention import with_sdpa_attention
 from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
-from megatron_fp8rl.compat.te_recipe import (
+from megatron_fp8rl.models.te_recipe import (
     install_megatron_recipe, megatron_fp8_fields, restore_megatron_recipe,
 )
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
@@ -178,7 +178,7 @@ def check_fp8_backend(fp8: str, fp8_backend: str) -> None:
 
 def te_fp8_overrides(fp8_recipe: Fp8Recipe) -> dict[str, Any]:
     """TransformerConfig fields that make TE's autocast run `fp8_recipe`: our calibrated recipe
-    is installed into Megatron's recipe selection (compat/te_recipe.py); for the others Megatron
+    is installed into Megatron's recipe selection (models/te_recipe.py); for the others Megatron
     selects TE's own recipe from the fields (any earlier install is undone)."""
     fields = megatron_fp8_fields(fp8_recipe)
     if isinstance(fp8_recipe, CalibratedDelayedScaling):

@@ -1,10 +1,12 @@
-"""Helpers shared by the model tests: a converted checkpoint loaded into Megatron, and its logits."""
+"""Helpers shared by the model tests: a converted checkpoint loaded into Megatron, and its logits;
+the Transformer Engine wheel fixtures (tests/models/te_wheel.py)."""
 import json
 
 import torch
 
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.models.hf import build_model_from_hf
+from tests.models.te_wheel import te_recipe_module, te_scaling_functions, te_wheel  # noqa: F401  (fixtures)
 
 
 def megatron_from_hf_dir(hf_dir, tmp_path, params_dtype=torch.float32):

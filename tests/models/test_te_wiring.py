@@ -1,5 +1,5 @@
 """model.fp8_backend=te wired for real, checked on CPU against TE's own recipe module (from the
-pinned wheel, tests/compat/conftest.py; no TE install, no GPU, no network): the TransformerConfig
+pinned wheel, tests/models/te_wheel.py; no TE install, no GPU, no network): the TransformerConfig
 that reaches Megatron carries the recipe's fp8 fields, Megatron's recipe selection (what its
 `get_fp8_context` hands TE's autocast) returns our calibrated recipe, and every combination that
 is not wired is refused by name before any work."""
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_fp8rl.compat import te_recipe
+from megatron_fp8rl.models import te_recipe
 from megatron_fp8rl.config.loader import ConfigError, load_config
 from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, CurrentScaling, recipe_by_name
 from megatron_fp8rl.models.hf import check_fp8_backend, te_fp8_overrides, transformer_config_from_hf
