@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from megatron_fp8rl.compat.tcp_store import free_port
 from tests.rollout.conftest import needs_sglang, sglang_config
-from tests.torchrun import REPO, free_port, kill_marked
+from tests.torchrun import REPO, kill_marked
 from tests.trainer.conftest import tb_scalars
 
 SCRIPT = REPO / "examples" / "launch_multinode.sh"
