@@ -230,8 +230,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
     if rank == 0:
         claim_run_dir(run_dir, provenance)
         save_config(cfg, run_dir / "config.yaml")
-        convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
-    dist.barrier()
+    convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     optim = OptimConfig(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, clip_grad=cfg.train.clip_grad)
     actor = MegatronActor(run_dir / "init_megatron", cfg.model, optim, cfg.train,
                           Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,

@@ -64,6 +64,18 @@ def test_missing_hf_tensor_is_named(qwen2, tmp_path):
     _assert_no_output(tmp_path / "out")
 
 
+def test_a_missing_shard_of_a_parallel_target_is_named(qwen2, tmp_path):
+    """The chunks given (a parallel model's shards: other_shards) must cover every tensor."""
+    hf_dir, target, _ = qwen2
+    shards = hf_to_megatron.main_replica_shards(target())
+    dropped = next(s for s in shards if s.key == "decoder.layers.mlp.linear_fc2.weight")
+    with pytest.raises(CheckpointError, match=r"decoder\.layers\.mlp\.linear_fc2\.weight: the chunks given cover "
+                                              r"\d+ of its \d+ elements"):
+        convert_hf_to_megatron(hf_dir, tmp_path / "out", {}, progress=False,
+                               other_shards=[s for s in shards if s is not dropped])
+    _assert_no_output(tmp_path / "out")
+
+
 def test_unexpected_hf_tensor_is_named(qwen2, tmp_path):
     hf_dir, target, _ = qwen2
     edited = _edited_copy(hf_dir, tmp_path, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(3)}))
