@@ -122,11 +122,11 @@ def _rollout(model_dir: Path, args, prompts, fp8="none", dtype="float32", before
 def run(args) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
-    from megatron_fp8rl.models.megatron_fp8_linear import shared_fp8_scales
     from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
     from megatron_fp8rl.data.arithmetic import arithmetic_records
     from megatron_fp8rl.data.records import prompt_token_ids
     from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling
+    from megatron_fp8rl.models.megatron_fp8_linear import shared_fp8_scales
     from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors, served_scales
     from safetensors.torch import load_file
 

@@ -26,16 +26,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_fp8rl.models.megatron_attention import with_sdpa_attention
-from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
-from megatron_fp8rl.models.te_recipe import (
-    install_megatron_recipe, megatron_fp8_fields, restore_megatron_recipe,
-)
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 from megatron_fp8rl.models.family import ModelFamily, UnsupportedModelError
 from megatron_fp8rl.models.gpt import build_gpt_model
+from megatron_fp8rl.models.megatron_attention import with_sdpa_attention
+from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
 from megatron_fp8rl.models.registry import family_for
 from megatron_fp8rl.models.rope import RopeSettings, apply_rope_scaling, rope_settings
+from megatron_fp8rl.models.te_recipe import (
+    install_megatron_recipe, megatron_fp8_fields, restore_megatron_recipe,
+)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
-from megatron_fp8rl.models.aligned_threads import single_threaded
 from megatron_fp8rl.compat.versions import check_signature
+from megatron_fp8rl.models.aligned_threads import single_threaded
 
 _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
 

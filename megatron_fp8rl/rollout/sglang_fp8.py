@@ -49,7 +49,6 @@ from sglang.srt.layers.parameter import ModelWeightParameter
 from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-from megatron_fp8rl.models.aligned_threads import pin_torch_native_attention_threads
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.linear import fp8_matmul_nt, resolve_gemm
 from megatron_fp8rl.fp8.quantize import (
@@ -61,6 +60,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_with_scale_inv,
     transposed_codes,
 )
+from megatron_fp8rl.models.aligned_threads import pin_torch_native_attention_threads
 from megatron_fp8rl.models.family import DecoderLinear, ModelFamily
 from megatron_fp8rl.models.registry import family_for
 from megatron_fp8rl.rollout.sglang_common import OUR_FP8_METHOD

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_fp8rl.convert import hf_to_megatron, megatron_to_hf
+from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
-from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.outputs import OutputExistsError, OutputOverlapsInputError
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.family import UnsupportedModelError

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from megatron_fp8rl.models import te_recipe
 from megatron_fp8rl.fp8.quantize import scale_from_bound
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
 from megatron_fp8rl.fp8.scaling import DelayedScalingState
+from megatron_fp8rl.models import te_recipe
 
 SF_CASES = [  # (amax, old scale, fp8_max, margin)
     (1.0, 1.0, 448.0, 0),
