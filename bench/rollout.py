@@ -17,7 +17,7 @@ Settings (rollout / trainer; every rollout samples the same prompts at temperatu
                   layers). The aligned row avoids it with identical arithmetic on both sides: the
                   'exact' FP8 GEMM (fp8/linear.py: the exact sum, whatever the batch) and the
                   trainer's attention repeating SGLang's torch_native calls
-                  (compat/megatron_attention.py, the trainer's logprob forward does the same).
+                  (models/megatron_attention.py, the trainer's logprob forward does the same).
 Mismatch per setting over all sampled tokens (rl.metrics.mismatch_metrics): mean |delta logp|,
 k3 KL(rollout || trainer), exp(mean |delta logp|). Throughput: generated tokens / generate seconds
 (engine start excluded), as a ratio to fp32 measured in the same run. The box is shared and noisy:
@@ -62,8 +62,8 @@ def _megatron(hf_dir: Path, mcore: Path, recipe=None, dtype=torch.float32):
 def _trainer_logprobs(model, samples, scales=None, ulp_noise=False) -> torch.Tensor:
     """Logprobs of the sampled tokens, attention called as SGLang called it; `ulp_noise`: each FP8 linear's input times
     1 + {-1, 0, 1} * 2**-23 (seeded), the size of SGLang's remaining fp32 differences."""
-    from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
-    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_decoder_linears, frozen_fp8_scales
+    from megatron_fp8rl.models.megatron_attention import sglang_call_layout
+    from megatron_fp8rl.models.megatron_fp8_linear import fp8_decoder_linears, frozen_fp8_scales
 
     generator = torch.Generator().manual_seed(0)
 
@@ -122,11 +122,11 @@ def _rollout(model_dir: Path, args, prompts, fp8="none", dtype="float32", before
 def run(args) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
-    from megatron_fp8rl.compat.megatron_fp8_linear import shared_fp8_scales
     from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
     from megatron_fp8rl.data.arithmetic import arithmetic_records
     from megatron_fp8rl.data.records import prompt_token_ids
     from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling
+    from megatron_fp8rl.models.megatron_fp8_linear import shared_fp8_scales
     from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors, served_scales
     from safetensors.torch import load_file
 

@@ -203,7 +203,7 @@ def _quiet_known_library_logs() -> None:
 
 def _quiet_known_library_warnings(env=os.environ) -> None:
     """Ignore EXPECTED_WARNINGS here and, through PYTHONWARNINGS, in the processes this one
-    starts (SGLang's scheduler and detokenizer, the converter subprocess), which do not inherit
+    starts (SGLang's scheduler and detokenizer, an SGLang server subprocess), which do not inherit
     this process's filters."""
     for category, start in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(start), category=getattr(builtins, category))

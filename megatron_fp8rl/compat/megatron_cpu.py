@@ -156,11 +156,6 @@ def check_version() -> str:
     return require("megatron-core")
 
 
-def is_enabled() -> bool:
-    """True while the CPU patches are active."""
-    return _mode is not None
-
-
 def enable() -> bool:
     """Activate the CPU patches unless CUDA is available. Returns True if they are active."""
     global _mode

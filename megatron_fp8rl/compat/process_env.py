@@ -4,8 +4,8 @@ Owns: `without_torchrun_env` / `torchrun_free_env`. Must not import anything of 
 
 A child process that inherits torchrun's variables calls `init_process_group` as if it were a
 member of the parent's job: with TORCHELASTIC_USE_AGENT_STORE=True it waits forever on the
-elastic agent's store (seen: SGLang's scheduler and our checkpoint-conversion subprocess both hung
-in `_create_c10d_store` when started from a torchrun worker).
+elastic agent's store (seen: SGLang's scheduler, and a checkpoint-conversion subprocess the trainer
+once started, hung in `_create_c10d_store` when started from a torchrun worker).
 """
 from __future__ import annotations
 

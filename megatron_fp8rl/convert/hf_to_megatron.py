@@ -17,7 +17,9 @@ own FileSystemWriter the write phase was reading each chunk into fresh memory (2
 CRC32 over it (30%) and copying it into the file (45%): ~4.4x the time of `cp` on a quiet box.
 
 The target layout comes from the caller: the `sharded_state_dict()` of the Megatron GPTModel built
-on the meta device (TP=1, PP=1; megatron_fp8rl.models.build_model_from_hf(..., device="meta")).
+on the meta device (megatron_fp8rl.models.build_model_from_hf(..., device="meta")), at TP=1/PP=1,
+or at any TP/PP with the other shards' chunks gathered to the converting process
+(`main_replica_shards`; trainer/actor.convert_initial_checkpoint).
 The checkpoint stores global tensors, so Megatron loads it at any TP/PP (torch_dist reshards on
 load). The HF config and tokenizer are kept in the `hf/` folder inside the checkpoint, for the way
 back and for the rollout engine.
@@ -34,7 +36,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -148,16 +150,19 @@ def _chunk_sources(rule, layer, pieces, row_start, rows) -> tuple[tuple[str, int
     return tuple(sources)
 
 
-def _plan_tensor(t: ShardedTensor, rule: Rule, attention, checkpoint, dtype, checked) -> ChunkTask:
+def _plan_tensor(t: ShardedTensor, rule: Rule, attention, checkpoint, dtype, checked) -> ChunkTask | None:
+    """The chunk of `t` with its HF sources. A chunk that splits columns (a row-parallel weight at
+    TP > 1) is written whole-width, since the copy moves whole HF rows: the chunk at column 0
+    stands for its rows, the others (None) are covered by it."""
     layer, layer_shape, offsets, local = _split_layer(t)
+    if any(offsets[1:]):
+        return None
+    local = (*local[:1], *layer_shape[1:])
     pieces = row_pieces(rule, attention, layer_shape[0])
     if (rule.megatron, layer) not in checked:
         _check_hf_shapes(rule, layer, layer_shape, pieces, checkpoint)
         checked.add((rule.megatron, layer))
     chunk_rows = local[0] if local else 1
-    if tuple(offsets[1:]) != (0,) * (len(offsets) - 1) or tuple(local[1:]) != layer_shape[1:]:
-        raise CheckpointError(f"{t.key}: chunk {local} at {offsets} splits columns; build the "
-                              "target model with tensor_parallel=1")
     sources = _chunk_sources(rule, layer, pieces, offsets[0] if offsets else 0, chunk_rows)
     source_dtypes = {checkpoint.entries[name].dtype for name, *_ in sources}
     if len(source_dtypes) != 1:
@@ -167,13 +172,24 @@ def _plan_tensor(t: ShardedTensor, rule: Rule, attention, checkpoint, dtype, che
                      chunk_rows)
 
 
+def main_replica_shards(sharded_state_dict: dict) -> list[ShardedBase]:
+    """The chunks a model's `sharded_state_dict()` owns in the checkpoint (factories applied, main
+    replicas only): what one rank of a TP/PP-parallel model adds to a conversion planned by
+    another (`other_shards`). Plain dataclasses over meta tensors: they pickle."""
+    apply_factories(sharded_state_dict)
+    sharded, _ = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+    return [item for item in nested_values(sharded) if is_main_replica(item.replica_id)]
+
+
 def plan_hf_to_megatron(
     sharded_state_dict: dict,
     hf_config: Mapping[str, Any],
     checkpoint: HFCheckpoint,
     dtype: torch.dtype | None = None,
+    other_shards: Sequence[ShardedBase] = (),
 ) -> ConversionPlan:
-    """Match every Megatron checkpoint chunk with its HF rows; raise naming any bad tensor."""
+    """Match every Megatron checkpoint chunk (of `sharded_state_dict` and `other_shards`) with its
+    HF rows; raise naming any bad tensor."""
     family = family_for(hf_config)
     _check_unexpected(hf_config, family, checkpoint)
     rules = {rule.megatron: rule for rule in family.rules}
@@ -181,7 +197,7 @@ def plan_hf_to_megatron(
     apply_factories(sharded_state_dict)
     sharded, common = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
     tasks, objects, checked = {}, {}, set()
-    for item in nested_values(sharded):
+    for item in [*nested_values(sharded), *other_shards]:
         if not is_main_replica(item.replica_id):
             continue
         if isinstance(item, ShardedObject):
@@ -193,8 +209,23 @@ def plan_hf_to_megatron(
             raise CheckpointError(f"Megatron tensor {item.key} has no HF counterpart in the "
                                   f"{family.name} table (models/families/{family.name}.py)")
         task = _plan_tensor(item, rules[item.key], attention, checkpoint, dtype, checked)
-        tasks[(task.key, task.offsets)] = task
+        if task is not None:
+            tasks[(task.key, task.offsets)] = task
+    _check_complete(tasks.values())
     return ConversionPlan(tasks, objects, common)
+
+
+def _check_complete(tasks) -> None:
+    """Every tensor's chunks must cover it: a parallel model's shard left out of `other_shards`
+    would otherwise leave rows unwritten."""
+    covered, whole = {}, {}
+    for task in tasks:
+        covered[task.key] = covered.get(task.key, 0) + torch.Size(task.shape).numel()
+        whole[task.key] = torch.Size(task.global_shape).numel()
+    for key, elements in covered.items():
+        if elements != whole[key]:
+            raise CheckpointError(f"{key}: the chunks given cover {elements} of its {whole[key]} elements; "
+                                  "a TP/PP-parallel target needs every rank's main_replica_shards")
 
 
 def _check_unexpected(hf_config, family: ModelFamily, checkpoint: HFCheckpoint) -> None:
@@ -379,18 +410,21 @@ def convert_hf_to_megatron(
     dtype: torch.dtype | None = None,
     progress: bool = True,
     threads: int = 1,
+    other_shards: Sequence[ShardedBase] = (),
 ) -> ConversionPlan:
     """Convert an HF checkpoint folder into a torch_dist checkpoint at `output_dir`.
 
-    `sharded_state_dict`: of the target GPTModel built on the meta device at TP=1/PP=1 from the
-    same HF config. `dtype`: stored element type (default: the HF tensors' own). Runs in one
-    process; the output appears atomically (nothing at `output_dir` if interrupted).
+    `sharded_state_dict`: of the target GPTModel built on the meta device from the same HF config,
+    at TP=1/PP=1, or at this process's TP/PP shard with `other_shards` holding the
+    `main_replica_shards` of every other shard (a parallel job's rank 0 converting for all).
+    `dtype`: stored element type (default: the HF tensors' own). Writes from this one process (no
+    collective); the output appears atomically (nothing at `output_dir` if interrupted).
     """
     hf_dir, output_dir = Path(hf_dir), Path(output_dir)
     check_output(output_dir, overwrite, inputs=(hf_dir,))
     hf_config = json.loads((hf_dir / "config.json").read_text())
     checkpoint = HFCheckpoint(hf_dir)
-    plan = plan_hf_to_megatron(sharded_state_dict, hf_config, checkpoint, dtype)
+    plan = plan_hf_to_megatron(sharded_state_dict, hf_config, checkpoint, dtype, other_shards)
     with atomic_output(output_dir, overwrite) as tmp:
         write_megatron_checkpoint(plan, checkpoint, tmp, progress, threads)
         copy_hf_side_files(hf_dir, tmp / HF_SIDE_FOLDER)

@@ -2,7 +2,7 @@
 
 Owns: `fp8_matmul_nt`, the autograd function `Fp8LinearFunction`, the functional `fp8_linear`
 and the plain torch module `Fp8Linear`. The Megatron-facing layers (Column/RowParallelLinear
-drop-ins) live in megatron_fp8rl/compat/megatron_fp8_linear.py and call `fp8_linear`.
+drop-ins) live in megatron_fp8rl/models/megatron_fp8_linear.py and call `fp8_linear`.
 
 Arithmetic (x [..., K] flattened to [M, K], W [N, K], dy [M, N]):
 - forward: y = Q_in(x) @ Q_w(W)^T, an FP8 GEMM with fp32 output, cast to x's dtype;

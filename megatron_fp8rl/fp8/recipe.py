@@ -5,7 +5,7 @@ baselines our FP8 linear offers: `DelayedScaling` (TE semantics; `te_default_del
 1024 'max', `megatron_default_delayed()` = history 1 'most_recent'), `CurrentScaling` (tensorwise,
 from each tensor's own amax) and `BlockwiseScaling` (128x128 weights, 1x128 activations and
 gradients; `groupwise()`: 1x128 weight groups too). These specs are TE-free: our FP8 linear reads them directly, and
-megatron_fp8rl/compat/te_recipe.py translates `CalibratedDelayedScaling` into a subclass of TE's
+megatron_fp8rl/models/te_recipe.py translates `CalibratedDelayedScaling` into a subclass of TE's
 `DelayedScaling`, so both tiers compute scales from the same fields with the same functions.
 Also owns the recipe names (`RECIPE_NAMES`, `recipe_by_name`) and `RecipeOverrides`, the run
 config's typed overlay of every recipe field (trainer/config.py nests it as model.fp8_recipe).

@@ -26,16 +26,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_fp8rl.compat.megatron_attention import with_sdpa_attention
-from megatron_fp8rl.compat.megatron_fp8_linear import fp8_local_layer_spec
-from megatron_fp8rl.compat.te_recipe import (
-    install_megatron_recipe, megatron_fp8_fields, restore_megatron_recipe,
-)
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 from megatron_fp8rl.models.family import ModelFamily, UnsupportedModelError
 from megatron_fp8rl.models.gpt import build_gpt_model
+from megatron_fp8rl.models.megatron_attention import with_sdpa_attention
+from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
 from megatron_fp8rl.models.registry import family_for
 from megatron_fp8rl.models.rope import RopeSettings, apply_rope_scaling, rope_settings
+from megatron_fp8rl.models.te_recipe import (
+    install_megatron_recipe, megatron_fp8_fields, restore_megatron_recipe,
+)
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def check_fp8_backend(fp8: str, fp8_backend: str) -> None:
 
 def te_fp8_overrides(fp8_recipe: Fp8Recipe) -> dict[str, Any]:
     """TransformerConfig fields that make TE's autocast run `fp8_recipe`: our calibrated recipe
-    is installed into Megatron's recipe selection (compat/te_recipe.py); for the others Megatron
+    is installed into Megatron's recipe selection (models/te_recipe.py); for the others Megatron
     selects TE's own recipe from the fields (any earlier install is undone)."""
     fields = megatron_fp8_fields(fp8_recipe)
     if isinstance(fp8_recipe, CalibratedDelayedScaling):
@@ -198,7 +198,7 @@ def layer_spec(
     `fp8_recipe`), else local.
 
     With `fp8_recipe` and not `use_te`, the local spec's linears are our FP8 drop-ins
-    (megatron_fp8rl.compat.megatron_fp8_linear); with `use_te`, FP8 comes from TE's autocast
+    (megatron_fp8rl.models.megatron_fp8_linear); with `use_te`, FP8 comes from TE's autocast
     (the config fields of `te_fp8_overrides`), so the spec is unchanged. Both specs store the
     same checkpoint keys (the local spec maps its separate norms onto TE's fused names).
     `fp8_gemm`: our FP8 linears' GEMM (fp8.linear.GEMMS; batch_invariant for aligned rollouts).

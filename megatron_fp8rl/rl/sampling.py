@@ -23,12 +23,6 @@ class GroupSelection:
     num_dropped: int
     """How many groups were dropped (all rewards equal: zero advantage, no gradient)."""
 
-    @property
-    def num_kept(self) -> int:
-        """How many groups survive."""
-        return int(self.keep.numel()) - self.num_dropped
-
-
 def select_informative_groups(rewards: torch.Tensor, *, atol: float = 0.0) -> GroupSelection:
     """DAPO dynamic sampling: drop groups whose rewards are all equal.
 

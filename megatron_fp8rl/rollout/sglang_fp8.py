@@ -3,7 +3,7 @@
 Owns: `Fp8RLConfig` (SGLang `QuantizationConfig`, method name `OUR_FP8_METHOD`), its linear method
 `Fp8RLLinearMethod`, and `register()`, the `sglang.srt.plugins` entry point (setup.py) that SGLang's
 `load_plugins()` runs in its main process, scheduler and detokenizer; it also pins SGLang's
-torch_native attention calls to one thread (compat/aligned_threads.py), as the trainer runs them.
+torch_native attention calls to one thread (models/aligned_threads.py), as the trainer runs them.
 Which layers are decoder linears, how SGLang fuses them and the shard ids its loaders pass are the
 model family's (models/families/<family>.py, looked up from the `hf_config` SGLang hands
 `from_config`): a model whose family is unknown, or a linear its family does not list, is refused.
@@ -49,7 +49,6 @@ from sglang.srt.layers.parameter import ModelWeightParameter
 from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-from megatron_fp8rl.compat.aligned_threads import pin_torch_native_attention_threads
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.linear import fp8_matmul_nt, resolve_gemm
 from megatron_fp8rl.fp8.quantize import (
@@ -61,6 +60,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_with_scale_inv,
     transposed_codes,
 )
+from megatron_fp8rl.models.aligned_threads import pin_torch_native_attention_threads
 from megatron_fp8rl.models.family import DecoderLinear, ModelFamily
 from megatron_fp8rl.models.registry import family_for
 from megatron_fp8rl.rollout.sglang_common import OUR_FP8_METHOD

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp8rl.compat.tcp_store import free_port
-from megatron_fp8rl.compat.weight_update_group import init_weight_update_group
 from megatron_fp8rl.rollout.engine import RolloutEngineError
+from megatron_fp8rl.rollout.weight_update_group import init_weight_update_group
 
 GROUP_NAME = "megatron_fp8rl_weights"
 

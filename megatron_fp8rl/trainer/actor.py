@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -26,16 +24,16 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
-from megatron_fp8rl.compat.megatron_fp8_linear import (
-    fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
-)
-from megatron_fp8rl.compat.process_env import torchrun_free_env
+from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron, main_replica_shards
 from megatron_fp8rl.convert.integrity import verify_torch_dist
 from megatron_fp8rl.convert.megatron_to_hf import (
     plan_megatron_to_hf, read_tensor_metadata, read_unit, split_unit,
 )
-from megatron_fp8rl.models.hf import build_model_from_hf, check_parallel_layout
+from megatron_fp8rl.models.hf import build_conversion_target, build_model_from_hf, check_parallel_layout
+from megatron_fp8rl.models.megatron_attention import sglang_call_layout
+from megatron_fp8rl.models.megatron_fp8_linear import (
+    fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
+)
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
 from megatron_fp8rl.rl.noise import NoiseFloor
 from megatron_fp8rl.trainer.batch import RolloutBatch, micro_batches, prompt_lengths, split_mini_batches
@@ -49,17 +47,34 @@ from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors, served_scales, s
 
 
 def convert_initial_checkpoint(hf_path: Path, output: Path) -> Path:
-    """HF folder -> torch_dist at `output`, once (rank 0, in a one-process subprocess: the
-    converter needs Megatron at TP=1/PP=1). Reused when `output` already exists: the caller has
-    checked that it was converted from the same checkpoint (trainer/run_dir.py)."""
-    if output.exists():
+    """HF folder -> torch_dist at `output`, once, in this process: every rank calls it (a
+    collective over the default group). Each rank builds its TP/PP shard of the model on the meta
+    device and sends rank 0 the chunks it owns; rank 0 writes the whole checkpoint (the converter
+    writes from one process), which loads at any layout. Reused when `output` already exists
+    (rank 0 decides for all): the caller has checked that it was converted from the same
+    checkpoint (trainer/run_dir.py). A failure on rank 0 raises on every rank."""
+    reuse = [output.exists()]
+    dist.broadcast_object_list(reuse, src=0)
+    if reuse[0]:
         return output
-    env = torchrun_free_env()
-    cmd = [sys.executable, "-m", "megatron_fp8rl.cli", "convert", "hf-to-megatron",
-           str(hf_path), str(output), "--no-progress"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"converting {hf_path} to Megatron failed:\n{result.stderr[-4000:]}")
+    hf_config = json.loads((Path(hf_path) / "config.json").read_text())
+    target = build_conversion_target(hf_config, parallel_state.get_tensor_model_parallel_world_size(),
+                                     parallel_state.get_pipeline_model_parallel_world_size())
+    state = target.sharded_state_dict()
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(main_replica_shards(state), gathered, dst=0)
+    failure = [None]
+    try:
+        if dist.get_rank() == 0:
+            convert_hf_to_megatron(hf_path, output, state, progress=False,
+                                   other_shards=[shard for shards in gathered[1:] for shard in shards])
+    except Exception as error:
+        failure = [f"{type(error).__name__}: {error}"]
+        raise
+    finally:
+        dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise RuntimeError(f"converting {hf_path} to Megatron failed on rank 0: {failure[0]}")
     return output
 
 
@@ -120,7 +135,7 @@ class MegatronActor:
     def _forward_as_served(chunk: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """The logprob forward: attention call for call as SGLang's torch_native backend served
         each sequence (prompt prefill, then one row at a time), so that with the exact FP8 GEMM
-        the recompute has the rollout's bits (compat/megatron_attention.py; TE attention, the
+        the recompute has the rollout's bits (models/megatron_attention.py; TE attention, the
         GPU tier, ignores the layout)."""
         with sglang_call_layout(prompt_lengths(batch.response_mask)):
             return chunk(batch.tokens, batch.position_ids, None)

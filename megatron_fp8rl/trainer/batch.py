@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from megatron_fp8rl.rl.advantages import expand_to_tokens
 from megatron_fp8rl.rollout.engine import RolloutSample
 
 
@@ -46,7 +47,8 @@ class RolloutBatch:
 
 
 def build_batch(samples: list[RolloutSample], advantages: torch.Tensor, length: int) -> RolloutBatch:
-    """Pad `samples` to `length` tokens; `advantages` is [B] (one value per sample)."""
+    """Pad `samples` to `length` tokens; `advantages` is [B] (one value per sample; RLInputError
+    when their count is not the samples')."""
     size = len(samples)
     tokens = torch.zeros(size, length, dtype=torch.long)
     response_mask = torch.zeros(size, length)
@@ -67,7 +69,7 @@ def build_batch(samples: list[RolloutSample], advantages: torch.Tensor, length: 
         target_ids=target_ids,
         response_mask=response_mask,
         rollout_logprobs=rollout_logprobs,
-        advantages=advantages.float()[:, None] * response_mask,
+        advantages=expand_to_tokens(advantages.float(), response_mask),
     )
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from megatron_fp8rl.compat.te_recipe import megatron_fp8_fields
+from megatron_fp8rl.models.te_recipe import megatron_fp8_fields
 from megatron_fp8rl.data.arithmetic import OPERATIONS
 from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name
 from megatron_fp8rl.data.records import DatasetSchema

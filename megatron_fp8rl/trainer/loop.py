@@ -227,8 +227,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
     if rank == 0:
         claim_run_dir(run_dir, provenance)
         save_config(cfg, run_dir / "config.yaml")
-        convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
-    dist.barrier()
+    convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                           Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
                           rollout_fp8=cfg.rollout.fp8, served_checkpoint=run_dir / ROLLOUT_CHECKPOINT)

@@ -14,7 +14,7 @@ Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
   fused q/k/v or gate/up shards and, through the amax reduction, by its TP shards); the served
   checkpoint holds exactly those as `weight_scale` / `input_scale` of every HF shard, and the
   trainer recomputes old logprobs with the same multipliers frozen
-  (`compat.megatron_fp8_linear.frozen_fp8_scales`). At start, before the trainer has recorded any
+  (`models.megatron_fp8_linear.frozen_fp8_scales`). At start, before the trainer has recorded any
   activation bound, the scales come from the calibrated recipe's rules applied to the HF weights
   and to activations calibrated on prompts; the trainer reads them back from the served checkpoint.
 Scales are keyed by (global layer number, Megatron linear path: the model family's

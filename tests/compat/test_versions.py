@@ -70,7 +70,7 @@ def test_fp8_linear_override_refuses_a_new_megatron_argument():
             " grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None, tp_group=None,"
             " fp8_new=None):\n    pass\n"
             "layers.linear_with_grad_accumulation_and_async_allreduce = drifted\n"
-            "import megatron_fp8rl.compat.megatron_fp8_linear\n")
+            "import megatron_fp8rl.models.megatron_fp8_linear\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode != 0
     assert "UntestedVersionError" in done.stderr and "fp8_new" in done.stderr, done.stderr[-2000:]

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_fp8rl.convert import hf_to_megatron, megatron_to_hf
+from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.convert.megatron_to_hf import convert_megatron_to_hf
-from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.outputs import OutputExistsError, OutputOverlapsInputError
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.family import UnsupportedModelError
@@ -60,6 +60,18 @@ def test_missing_hf_tensor_is_named(qwen2, tmp_path):
     edited = _edited_copy(hf_dir, tmp_path, lambda t: t.pop(K_PROJ))
     with pytest.raises(CheckpointError, match=rf"missing HF tensor {K_PROJ} \(expected shape \(32, 64\)"):
         convert_hf_to_megatron(edited, tmp_path / "out", target(), progress=False)
+    _assert_no_output(tmp_path / "out")
+
+
+def test_a_missing_shard_of_a_parallel_target_is_named(qwen2, tmp_path):
+    """The chunks given (a parallel model's shards: other_shards) must cover every tensor."""
+    hf_dir, target, _ = qwen2
+    shards = hf_to_megatron.main_replica_shards(target())
+    dropped = next(s for s in shards if s.key == "decoder.layers.mlp.linear_fc2.weight")
+    with pytest.raises(CheckpointError, match=r"decoder\.layers\.mlp\.linear_fc2\.weight: the chunks given cover "
+                                              r"\d+ of its \d+ elements"):
+        convert_hf_to_megatron(hf_dir, tmp_path / "out", {}, progress=False,
+                               other_shards=[s for s in shards if s is not dropped])
     _assert_no_output(tmp_path / "out")
 
 

@@ -6,6 +6,9 @@ there (so the checkpoint's chunks follow that layout), converted back to HF in p
 compared tensor by tensor with the original: same names, shapes, dtypes and bits. One 4-process
 torchrun run covers the four layouts (Megatron's parallel state is rebuilt per layout; smaller
 layouts run with data-parallel replicas), since process start-up dominates on this machine.
+The same run converts each HF checkpoint in process at each layout, as the trainer does
+(trainer/actor.convert_initial_checkpoint: every rank sends its shard's chunks to rank 0), and
+that checkpoint must hold the CLI converter's tensors (TP=1 meta model, one process).
 """
 import json
 from pathlib import Path
@@ -43,6 +46,19 @@ def resaved(tmp_path_factory, megatron_tp1) -> Path:
     return workdir
 
 
+def _global_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint, whole (DCP reads across its chunks)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_fp8rl.convert.megatron_to_hf import dcp_reader
+
+    reader = dcp_reader(directory)
+    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in reader.read_metadata().state_dict_metadata.items() if hasattr(meta, "size")}
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
 def assert_same_checkpoint(expected_dir: Path, got_dir: Path) -> None:
     expected, got = load_file(expected_dir / "model.safetensors"), load_file(got_dir / "model.safetensors")
     assert sorted(got) == sorted(expected)
@@ -63,3 +79,15 @@ def test_roundtrip_bit_exact_at_layout(resaved: Path, tag: str):
         assert_same_checkpoint(resaved / arch / "hf", back)
         chunks = _chunk_count(resaved / arch / f"resaved_{tag}", "decoder.layers.mlp.linear_fc1.weight")
         assert chunks == LAYOUTS[tag][0] * 2 * 2, "the resaved checkpoint should be chunked per TP rank"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tag", sorted(LAYOUTS))
+def test_in_process_conversion_at_layout_equals_the_cli_converters(resaved: Path, tag: str):
+    """4 processes (shared fixture): the trainer's in-process conversion at the layout writes the
+    tensors the one-process converter (what `megatron-fp8rl convert hf-to-megatron` runs) wrote."""
+    for arch in ARCHITECTURES:
+        expected, got = _global_tensors(resaved / arch / "mcore"), _global_tensors(resaved / arch / f"initial_{tag}")
+        assert sorted(got) == sorted(expected), arch
+        for key, tensor in expected.items():
+            assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), f"{arch} {key} differs"

@@ -43,7 +43,7 @@ def twin_models(recipe=None):
     """An FP32 GPT on the local spec and an FP8 one with the same initial weights."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_local_layer_spec
+    from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
 
     reference = build_gpt(get_gpt_layer_local_spec())
     fp8_model = build_gpt(fp8_local_layer_spec(recipe))
@@ -77,7 +77,7 @@ def train(model, steps: int, lr: float = 3e-3) -> list[float]:
 
 
 def fp8_scales(model) -> dict[str, torch.Tensor]:
-    from megatron_fp8rl.compat.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    from megatron_fp8rl.models.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
     return {f"{name}.{role}": getattr(module.fp8_quantizers, role).state.scale.clone()
             for name, module in model.named_modules()
@@ -88,7 +88,7 @@ def fp8_scales(model) -> dict[str, torch.Tensor]:
 def test_fp8_spec_swaps_every_local_linear_but_the_output_layer(megatron_tp1):
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from megatron_fp8rl.compat.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    from megatron_fp8rl.models.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
     _, model = twin_models()
     layer = model.decoder.layers[0]
@@ -101,7 +101,7 @@ def test_fp8_spec_swaps_every_local_linear_but_the_output_layer(megatron_tp1):
 
 
 def test_tiny_gpt_trains_in_fp8_like_fp32(megatron_tp1):
-    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_layer_stats
+    from megatron_fp8rl.models.megatron_fp8_linear import fp8_layer_stats
 
     reference, fp8_model = twin_models()
     fp32_losses = train(reference, steps=30)
@@ -164,7 +164,7 @@ def _same(a, b) -> bool:
 def test_high_precision_shadow_is_the_fp32_twin_and_touches_no_fp8_state(megatron_tp1):
     """Calibrated Clipping's shadow: under high_precision_fp8_linears the FP8 model computes its
     FP32 twin's logits bit for bit, and no quantizer's amax history, scale or statistics move."""
-    from megatron_fp8rl.compat.megatron_fp8_linear import high_precision_fp8_linears
+    from megatron_fp8rl.models.megatron_fp8_linear import high_precision_fp8_linears
 
     fp32, fp8 = twin_models()
     tokens, _ = next_token_batch(0)
@@ -193,7 +193,7 @@ def test_fp8_linears_train_under_bf16_mixed_precision(megatron_tp1):
     trains like its bf16 twin."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_local_layer_spec
+    from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
     from megatron_fp8rl.trainer.megatron_step import OptimConfig, build_optimizer, train_step, wrap_ddp
 
     positions = torch.arange(SEQ).expand(BATCH, SEQ)

@@ -1,5 +1,5 @@
 """TE's delayed-scaling semantics on hand-worked cases (TE's own code is compared in
-tests/compat/test_te_recipe.py): scale formula, history window, roll, first use, checkpoints."""
+tests/models/test_te_recipe.py): scale formula, history window, roll, first use, checkpoints."""
 import math
 
 import pytest

@@ -43,8 +43,8 @@ def test_fp8_local_spec_loads_the_converted_checkpoint(megatron_tp1, tmp_path):
     0.08 on logits up to ~1.6, per-tensor E4M3 weights and activations) while visibly differing."""
     from megatron.core import dist_checkpointing
 
-    from megatron_fp8rl.compat.megatron_fp8_linear import Fp8ColumnParallelLinear
     from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
+    from megatron_fp8rl.models.megatron_fp8_linear import Fp8ColumnParallelLinear
 
     hf = tiny_hf_model("qwen3")
     hf.save_pretrained(tmp_path / "hf")

@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_fp8rl.compat.megatron_attention import sglang_call_layout
-from megatron_fp8rl.compat.megatron_fp8_linear import frozen_fp8_scales, shared_fp8_scales
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, recipe_by_name
 from megatron_fp8rl.models.hf import build_model_from_hf
+from megatron_fp8rl.models.megatron_attention import sglang_call_layout
+from megatron_fp8rl.models.megatron_fp8_linear import frozen_fp8_scales, shared_fp8_scales
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors, served_scales
 from tests.helpers.rollout import needs_sglang, sglang_config

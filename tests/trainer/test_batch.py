@@ -1,6 +1,8 @@
 """Rollout samples -> padded training batch: response positions and each row's prompt length."""
+import pytest
 import torch
 
+from megatron_fp8rl.rl.common import RLInputError
 from megatron_fp8rl.rollout.engine import RolloutSample
 from megatron_fp8rl.trainer.batch import (
     RolloutBatch, build_batch, micro_batches, pad_rows, prompt_lengths, split_mini_batches,
@@ -10,6 +12,16 @@ from megatron_fp8rl.trainer.batch import (
 def _sample(prompt, response):
     return RolloutSample(prompt_index=0, prompt_token_ids=prompt, token_ids=response, logprobs=[-0.5] * len(response),
                          finish_reason="stop", weight_version=0)
+
+
+def test_advantages_spread_over_response_tokens_and_must_be_one_per_sample():
+    """build_batch goes through rl.advantages.expand_to_tokens: a single advantage for two samples
+    is refused, not broadcast to both."""
+    samples = [_sample([1, 2], [3, 4]), _sample([1], [5])]
+    batch = build_batch(samples, torch.tensor([2.0, -1.0]), length=4)
+    assert batch.advantages.tolist() == [[0.0, 2.0, 2.0, 0.0], [-1.0, 0.0, 0.0, 0.0]]
+    with pytest.raises(RLInputError, match="sequence_values has 1 sequences but response_mask has 2 rows"):
+        build_batch(samples, torch.tensor([2.0]), length=4)
 
 
 def test_prompt_lengths_are_read_back_from_the_response_mask():

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.helpers.processes import REPO, free_port, kill_marked
+from megatron_fp8rl.compat.tcp_store import free_port
+from tests.helpers.processes import REPO, kill_marked
 from tests.helpers.rollout import needs_sglang, sglang_config
 from tests.helpers.train import tb_scalars
 

@@ -1,11 +1,14 @@
-"""torchrun worker: load converted HF checkpoints at TP/PP layouts and save them again there.
+"""torchrun worker: load converted HF checkpoints at TP/PP layouts and save them again there, and
+convert the HF checkpoints in process at each layout as the trainer does.
 
 For each layout tpXppY given (one process group, Megatron's parallel state re-initialized per
 layout; world size / (X*Y) data-parallel replicas) and each architecture folder ARCH under
 WORKDIR: build the Megatron model of ARCH/hf/config.json at that layout (fp32 parameters), load
 ARCH/mcore (written by the HF -> Megatron conversion at TP=1 from bf16 safetensors) with
 dist_checkpointing, which reshards on load, and save the loaded model to ARCH/resaved_tpXppY
-(chunks at that layout). Run with nproc = the largest X*Y (4 for TP2xPP2).
+(chunks at that layout). Then convert ARCH/hf to ARCH/initial_tpXppY with
+trainer.actor.convert_initial_checkpoint, every rank contributing its shard's chunks.
+Run with nproc = the largest X*Y (4 for TP2xPP2).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ def main(args) -> None:
     from megatron.core import parallel_state
 
     from megatron_fp8rl.launch import init_distributed, shutdown_distributed
+    from megatron_fp8rl.trainer.actor import convert_initial_checkpoint
 
     for tag in args.layouts:
         tp, pp = (int(n) for n in tag[2:].split("pp"))
@@ -42,6 +46,8 @@ def main(args) -> None:
         init_distributed(tp, pp, seed=11)
         for arch in args.archs:
             resave(Path(args.workdir), arch, tag)
+            folder = Path(args.workdir) / arch
+            convert_initial_checkpoint(folder / "hf", folder / f"initial_{tag}")
     shutdown_distributed()
 
 

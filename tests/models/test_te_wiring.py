@@ -1,5 +1,5 @@
 """model.fp8_backend=te wired for real, checked on CPU against TE's own recipe module (from the
-pinned wheel, tests/compat/conftest.py; no TE install, no GPU, no network): the TransformerConfig
+pinned wheel, tests/helpers/te_wheel.py; no TE install, no GPU, no network): the TransformerConfig
 that reaches Megatron carries the recipe's fp8 fields, Megatron's recipe selection (what its
 `get_fp8_context` hands TE's autocast) returns our calibrated recipe, and every combination that
 is not wired is refused by name before any work."""
@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_fp8rl.compat import te_recipe
 from megatron_fp8rl.config.loader import ConfigError, load_config
 from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, CurrentScaling, recipe_by_name
+from megatron_fp8rl.models import te_recipe
 from megatron_fp8rl.models.hf import check_fp8_backend, te_fp8_overrides, transformer_config_from_hf
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.loop import check_inputs
@@ -105,8 +105,8 @@ def test_recipe_with_backend_ours_keeps_our_fp8_linears_where_te_is_usable(monke
     off). Now a recipe without backend te always gets our FP8 linears in the local spec."""
     import importlib.util
 
-    from megatron_fp8rl.compat.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
     from megatron_fp8rl.models import hf
+    from megatron_fp8rl.models.megatron_fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -122,10 +122,10 @@ def test_recipe_with_backend_ours_keeps_our_fp8_linears_where_te_is_usable(monke
 def test_aligned_rollouts_build_the_trainer_on_the_batch_invariant_gemm(megatron_tp1):
     """rollout.fp8=aligned: the trainer's FP8 linears run gemm=batch_invariant (the Triton kernel
     the SGLang fp8rl method runs on GPU, 'exact' on CPU); other runs keep auto."""
-    from megatron_fp8rl.compat.megatron_fp8_linear import fp8_decoder_linears
     from megatron_fp8rl.config.loader import load_config
     from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
     from megatron_fp8rl.models.hf import build_model_from_hf
+    from megatron_fp8rl.models.megatron_fp8_linear import fp8_decoder_linears
     from megatron_fp8rl.trainer.config import RunConfig
     from tests.helpers.tiny_hf import tiny_hf_config
 

@@ -8,7 +8,7 @@ number, path, module), `shared_fp8_scales(model)` (the scales a rollout engine m
 compute what the next forward computes) and `frozen_fp8_scales(model, scales)` (a pass whose weight and input
 quantizers use given dequant multipliers, e.g. those the rollout engine served), and
 `high_precision_fp8_linears(model)` (a pass with every FP8 linear in high precision: the shadow).
-Must not import: anything above layer L1 (models, convert, rollout, trainer, cli).
+Must not import: anything above layer L2 (convert, rollout, data, trainer, cli).
 
 What changes against Megatron's layers: only `_forward_impl`, the matmul (megatron-core 0.16.1's
 `linear_with_grad_accumulation_and_async_allreduce`), which becomes

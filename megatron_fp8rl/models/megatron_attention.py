@@ -2,7 +2,8 @@
 
 Owns: `SdpaAttention` (a drop-in for Megatron's local-spec DotProductAttention) and the
 `sglang_call_layout` context that makes it repeat SGLang's torch_native attention calls.
-Must not import: sglang, trainer, rollout (it only mirrors SGLang's call shapes).
+Must not import: sglang (it only mirrors SGLang's call shapes), nor anything above layer L2 (convert,
+rollout, data, trainer, cli).
 
 Why: on the CPU tier SGLang's torch_native backend runs `scaled_dot_product_attention` once per
 request: a causal call over the prompt at prefill (query and keys of the prompt's length) and, for
@@ -34,8 +35,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
-from megatron_fp8rl.compat.aligned_threads import single_threaded
 from megatron_fp8rl.compat.versions import check_signature
+from megatron_fp8rl.models.aligned_threads import single_threaded
 
 _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
 

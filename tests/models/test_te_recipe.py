@@ -1,16 +1,16 @@
 """Our recipe against Transformer Engine's own code: TE's recipe module validates our subclass,
 and TE's delayed-scaling update (`_default_sf_compute`, `_amax_and_scale_update`) equals ours.
-TE's real sources come from its pinned wheel (tests/compat/conftest.py); no TE install."""
+TE's real sources come from its pinned wheel (tests/helpers/te_wheel.py); no TE install."""
 import dataclasses
 import math
 
 import pytest
 import torch
 
-from megatron_fp8rl.compat import te_recipe
 from megatron_fp8rl.fp8.quantize import scale_from_bound
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling
 from megatron_fp8rl.fp8.scaling import DelayedScalingState
+from megatron_fp8rl.models import te_recipe
 
 SF_CASES = [  # (amax, old scale, fp8_max, margin)
     (1.0, 1.0, 448.0, 0),

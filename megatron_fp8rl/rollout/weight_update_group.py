@@ -5,8 +5,8 @@ Owns: `init_weight_update_group`, the trainer's side of SGLang's `init_weights_u
 group rank 0, a `PrefixStore` named after the group, and torch's private
 `_new_process_group_helper` — the only way to make a group whose members are not all in the
 default (torchrun) world. Both sides must build the group the same way, so this mirrors SGLang's
-function line for line; re-check it when torch or SGLang move. Must not import: anything of ours
-above layer L1.
+function line for line; re-check it when torch or SGLang move. Must not import: trainer,
+cli (layer L3 imports only L0-L2 of ours).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Fixtures that give tests Transformer Engine's real pure-Python code without installing TE.
+"""Fixtures that give tests Transformer Engine's real pure-Python code without installing TE
+(tests/models/conftest.py registers them for the model tests).
 
 TE cannot be imported on the CPU tier (no CUDA libraries), and a broken TE install breaks
 `import megatron.core.models.gpt`. TE's recipe module (`transformer_engine/common/recipe`) is

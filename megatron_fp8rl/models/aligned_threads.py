@@ -2,13 +2,13 @@
 
 Owns: `single_threaded()` (a block in which torch's intra-op pool has one thread) and
 `pin_torch_native_attention_threads()` (SGLang's torch_native attention calls run single-threaded).
-Must not import: anything of ours above layer L1; sglang only inside the patch function.
+Must not import: anything of ours above layer L2; sglang only inside the patch function.
 
-Why: aligned rollouts need the trainer's attention (compat/megatron_attention.py, which repeats
+Why: aligned rollouts need the trainer's attention (models/megatron_attention.py, which repeats
 SGLang's calls) to have SGLang's bits. torch's CPU SDPA splits work across its intra-op threads
 in a way that can change a row's last bits with the thread count and the call's batch: on an
 AVX2-only machine the trainer's batched calls and SGLang's per-request calls disagreed with 2
-threads and agreed with 1 (tests/compat/test_megatron_attention.py). The SGLang scheduler and the
+threads and agreed with 1 (tests/models/test_megatron_attention.py). The SGLang scheduler and the
 trainer need not run with the same thread count either. Running exactly these calls with one
 thread on both sides removes the dependence; they are small (one query row, or one prompt), so
 the pool buys little there.

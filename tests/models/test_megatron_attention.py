@@ -9,8 +9,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_fp8rl.compat import sglang_cpu
-from megatron_fp8rl.compat.aligned_threads import pin_torch_native_attention_threads
-from megatron_fp8rl.compat.megatron_attention import SdpaAttention, sglang_call_layout
+from megatron_fp8rl.models.aligned_threads import pin_torch_native_attention_threads
+from megatron_fp8rl.models.megatron_attention import SdpaAttention, sglang_call_layout
 
 HEADS, GROUPS, DIM = 9, 3, 64  # SmolLM2-135M's attention (GQA 3:1)
 
@@ -81,7 +81,7 @@ def _with_threads(count, fn, *args):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_call_layout_gives_sglang_torch_native_bits(megatron_tp1, dtype, threads):
     """Whatever thread count either side runs with (SGLang's scheduler and the trainer need not
-    agree): compat/aligned_threads.py runs the aligned calls single-threaded on both."""
+    agree): models/aligned_threads.py runs the aligned calls single-threaded on both."""
     prompts, lengths, cached = [13, 20, 13, 7], [40, 31, 36, 25], [0, 0, 12, 0]
     q, k, v = _qkv(40, 4, dtype)
     k[:13, 2], v[:13, 2] = k[:13, 0], v[:13, 0]  # request 2 shares request 0's prompt (radix hit)
@@ -159,7 +159,7 @@ def test_the_aligned_calls_run_single_threaded_on_both_sides(megatron_tp1):
     runs one intra-op thread, and the caller's count is back afterwards."""
     import torch.nn.functional as functional
 
-    from megatron_fp8rl.compat import megatron_attention
+    from megatron_fp8rl.models import megatron_attention
 
     seen = []
     original = functional.scaled_dot_product_attention

@@ -2,7 +2,8 @@
 
 Owns: the translation of `megatron_fp8rl.fp8.recipe.CalibratedDelayedScaling` (a TE-free spec)
 into a subclass of TE's `DelayedScaling` (a pydantic dataclass), and the Megatron-Core hook.
-TE is imported lazily, inside the functions, and only here. Must not import anything above L1.
+TE is imported lazily, inside the functions, and only here. Must not import anything above L2
+(convert, rollout, data, trainer, cli).
 
 How the TE subclass works (TE >= 2.x, checked against transformer-engine 2.20.2):
 - It carries every field of the spec; `fp8_format`, `margin`, `amax_history_len` and
