@@ -10,11 +10,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from megatron_fp8rl.models.te_recipe import megatron_fp8_fields
 from megatron_fp8rl.data.arithmetic import OPERATIONS
 from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
+from megatron_fp8rl.models.te_recipe import megatron_fp8_fields
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
 from megatron_fp8rl.rollout.sglang_common import SGLANG_DTYPES, SGLangSettings
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
