@@ -16,7 +16,14 @@ Arithmetic, A [M, K] and B [N, K] FP8 (E4M3 or E5M2), y [M, N] fp32:
 Batch invariance by construction: one fixed tile configuration (TILE) whatever the shapes, no
 split-K, and each program walks K in the same order from k = 0, so y[m, :] depends only on A's
 row m and on B: the same bits whether row m is multiplied alone, in a batch of 64, or at another
-position in the batch (tests/fp8/test_triton_gemm.py). Products of FP8 values are exact in fp32;
+position in the batch (tests/fp8/test_triton_gemm.py). Under the interpreter `tl.dot` is numpy's
+matmul, i.e. the host's BLAS, whose float32 kernels need not sum every row of a tile in the same
+order: on an AMD EPYC box (OpenBLAS's Haswell sgemm kernel) rows 6-15 of each 16 came out in other
+bits than rows 0-5, so a row's bits depended on its position in the batch. On CPU tensors the
+kernel therefore sums each block's exact products per output element itself: a [BLOCK_M, BLOCK_N,
+128] product tensor halved seven times (reshape, split, add), the same tree for every row, with
+builtins only (`tl.sum` is itself `triton.jit`-wrapped, see below); GPUs keep `tl.dot`.
+Products of FP8 values are exact in fp32;
 the sums are fp32 (`max_num_imprecise_acc=0` asks Hopper's FP8 MMA to promote every instruction
 to the fp32 accumulator, as `torch._scaled_mm` does without `use_fast_accum`).
 Where it runs: CUDA tensors compile for the GPU; CPU tensors only under Triton's interpreter
@@ -49,9 +56,10 @@ MAX_ELEMENTS = 2**31
 
 def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                         stride_am, stride_bn, stride_ym, stride_asm, stride_bsn,
-                        BLOCK_SCALED: tl.constexpr, B_ROW_SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of y, K walked in order from 0 (module docstring)."""
+                        BLOCK_SCALED: tl.constexpr, B_ROW_SCALED: tl.constexpr, ROW_SUMS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of y, K walked in order from 0 (module docstring). ROW_SUMS:
+    each block's products summed pairwise over K per output element instead of `tl.dot`."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,14 +71,25 @@ def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
         k_in = ks < K - k0
         a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_in[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_in[:, None] & (cols[None, :] < N), other=0.0)
+        if ROW_SUMS:  # exact products [BLOCK_M, BLOCK_N, BLOCK_K], K summed pairwise: same tree for every row
+            part = tl.permute(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], (0, 2, 1))
+            tl.static_assert(BLOCK_K == 128, "ROW_SUMS halves K = 128 seven times")
+            for width in (64, 32, 16, 8, 4, 2, 1):
+                pairs = tl.split(tl.reshape(part, (BLOCK_M, BLOCK_N, width, 2)))
+                part = pairs[0] + pairs[1]
+            part = tl.reshape(part, (BLOCK_M, BLOCK_N))
+        else:
+            part = tl.dot(a, b, max_num_imprecise_acc=0)
         if BLOCK_SCALED:
             a_scale = tl.load(a_scale_ptr + rows * stride_asm + k0 // BLOCK_K, mask=rows < M, other=0.0)
             if B_ROW_SCALED:
                 b_scale = tl.load(b_scale_ptr + cols * stride_bsn + k0 // BLOCK_K, mask=cols < N, other=0.0)
-                acc += tl.dot(a, b, max_num_imprecise_acc=0) * a_scale[:, None] * b_scale[None, :]
+                acc += part * a_scale[:, None] * b_scale[None, :]
             else:
                 b_scale = tl.load(b_scale_ptr + pid_n * stride_bsn + k0 // BLOCK_K)
-                acc += tl.dot(a, b, max_num_imprecise_acc=0) * a_scale[:, None] * b_scale
+                acc += part * a_scale[:, None] * b_scale
+        elif ROW_SUMS:
+            acc += part
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=0)
         a_ptrs += BLOCK_K
@@ -163,5 +182,6 @@ def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Te
     grid = (triton.cdiv(m, TILE["BLOCK_M"]), triton.cdiv(n, TILE["BLOCK_N"]))
     scale_strides = (a_scale_inv.stride(0), b_scale_inv.stride(0)) if block_scaled else (0, 0)
     kernel[grid](a, b, y, a_scale_inv, b_scale_inv, m, n, k, a.stride(0), b.stride(0), y.stride(0),
-                 *scale_strides, BLOCK_SCALED=block_scaled, B_ROW_SCALED=b_row_scaled, **TILE, **LAUNCH)
+                 *scale_strides, BLOCK_SCALED=block_scaled, B_ROW_SCALED=b_row_scaled,
+                 ROW_SUMS=a.device.type == "cpu", **TILE, **LAUNCH)
     return y
