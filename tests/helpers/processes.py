@@ -65,15 +65,26 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 600,
 
 
 def marked_processes(marker: str) -> list[psutil.Process]:
-    """Every process whose environment carries this run's marker (MEGATRON_FP8RL_TEST_RUN)."""
+    """Every live process whose environment carries this run's marker (MEGATRON_FP8RL_TEST_RUN);
+    exited ones not yet reaped (zombies) are left out."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("MEGATRON_FP8RL_TEST_RUN") == marker:
+            if (proc.environ().get("MEGATRON_FP8RL_TEST_RUN") == marker
+                    and proc.status() != psutil.STATUS_ZOMBIE):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def cmdline(proc: psutil.Process) -> list[str]:
+    """proc's command line, or [] when it exited after it was listed (a short-lived child: a
+    test that read `proc.cmdline()` directly failed with ZombieProcess)."""
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
 
 
 def kill_marked(marker: str) -> None:

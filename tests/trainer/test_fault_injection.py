@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from tests.helpers.processes import REPO, kill_marked, marked_processes
+from tests.helpers.processes import REPO, cmdline, kill_marked, marked_processes
 from tests.helpers.train import train_command
 
 SETTINGS = ("train.steps=4", "checkpoint.every=1", "train.eval_every=0", "rollout.mode=disaggregated",
@@ -36,7 +36,7 @@ def test_killed_rollout_server_is_reported_and_the_rerun_resumes(tiny_run_inputs
             assert proc.poll() is None, f"run ended (code {proc.returncode}) before checkpoint 1"
             assert time.monotonic() < deadline, "no checkpoint within 1200 s"
             time.sleep(0.2)
-        servers = [p for p in marked_processes(marker) if "megatron_fp8rl.rollout.sglang_launch" in p.cmdline()]
+        servers = [p for p in marked_processes(marker) if "megatron_fp8rl.rollout.sglang_launch" in cmdline(p)]
         assert len(servers) == 1
         servers[0].send_signal(signal.SIGKILL)
         code = proc.wait(timeout=600)

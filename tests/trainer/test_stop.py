@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from megatron_fp8rl.trainer.checkpoint import checkpoint_problem
-from tests.helpers.processes import REPO, kill_marked, marked_processes
+from tests.helpers.processes import REPO, cmdline, kill_marked, marked_processes
 from tests.helpers.train import train_command
 
 
@@ -36,14 +36,14 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tiny_run_inputs, tmp_pat
                                 start_new_session=True)
     try:
         _wait_for(lambda: " 1/30 " in log_path.read_text(), proc, 900, "step 1")
-        trainer = [p for p in marked_processes(marker) if "train" in p.cmdline() and p.pid != proc.pid
+        trainer = [p for p in marked_processes(marker) if "train" in cmdline(p) and p.pid != proc.pid
                    and p.ppid() == proc.pid]
-        assert len(trainer) == 1, [p.cmdline() for p in marked_processes(marker)]
+        assert len(trainer) == 1, [cmdline(p) for p in marked_processes(marker)]
         trainer[0].send_signal(signal.SIGTERM)
         code = proc.wait(timeout=300)
     finally:
         time.sleep(2)  # let the shutdown finish before looking for leftovers
-        leftovers = [p.cmdline()[:3] for p in marked_processes(marker)]
+        leftovers = [line[:3] for line in map(cmdline, marked_processes(marker)) if line]
         kill_marked(marker)
     output = log_path.read_text()
     assert code != 0, output[-3000:]
