@@ -19,13 +19,13 @@ row m and on B: the same bits whether row m is multiplied alone, in a batch of 6
 position in the batch (tests/fp8/test_triton_gemm.py). Under the interpreter `tl.dot` is numpy's
 matmul, i.e. the host's BLAS, whose float32 kernels need not sum every row of a tile in the same
 order: on an AMD EPYC box (OpenBLAS's Haswell sgemm kernel) rows 6-15 of each 16 came out in other
-bits than rows 0-5, so a row's bits depended on its position in the batch. On CPU tensors the
-kernel therefore sums each block's exact products per output element itself: a [BLOCK_M, BLOCK_N,
-128] product tensor halved seven times (reshape, split, add), the same tree for every row, with
-builtins only (`tl.sum` is itself `triton.jit`-wrapped, see below); GPUs keep `tl.dot`.
-Products of FP8 values are exact in fp32;
-the sums are fp32 (`max_num_imprecise_acc=0` asks Hopper's FP8 MMA to promote every instruction
-to the fp32 accumulator, as `torch._scaled_mm` does without `use_fast_accum`).
+bits than rows 0-5, so a row's bits depended on its position in the batch. Under the interpreter
+(CPU tensors, or CUDA ones with TRITON_INTERPRET=1) the kernel therefore sums each block's exact
+products per output element itself: a [BLOCK_M, BLOCK_N, 128] product tensor halved seven times
+(reshape, split, add), the same tree for every row, with builtins only (`tl.sum` is itself
+`triton.jit`-wrapped, see below); compiled kernels keep `tl.dot`. Products of FP8 values are exact
+in fp32; the sums are fp32 (`max_num_imprecise_acc=0` asks Hopper's FP8 MMA to promote every
+instruction to the fp32 accumulator, as `torch._scaled_mm` does without `use_fast_accum`).
 Where it runs: CUDA tensors compile for the GPU; CPU tensors only under Triton's interpreter
 (`TRITON_INTERPRET=1`). triton 3.x reads that variable when `triton.jit` wraps a function: this
 kernel is wrapped at first use, once per mode, never at import; and it calls only triton's
@@ -78,15 +78,17 @@ def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                 pairs = tl.split(tl.reshape(part, (BLOCK_M, BLOCK_N, width, 2)))
                 part = pairs[0] + pairs[1]
             part = tl.reshape(part, (BLOCK_M, BLOCK_N))
-        else:
-            part = tl.dot(a, b, max_num_imprecise_acc=0)
         if BLOCK_SCALED:
             a_scale = tl.load(a_scale_ptr + rows * stride_asm + k0 // BLOCK_K, mask=rows < M, other=0.0)
             if B_ROW_SCALED:
                 b_scale = tl.load(b_scale_ptr + cols * stride_bsn + k0 // BLOCK_K, mask=cols < N, other=0.0)
-                acc += part * a_scale[:, None] * b_scale[None, :]
             else:
                 b_scale = tl.load(b_scale_ptr + pid_n * stride_bsn + k0 // BLOCK_K)
+            if not ROW_SUMS:  # the per-tensor path below accumulates inside tl.dot instead
+                part = tl.dot(a, b, max_num_imprecise_acc=0)
+            if B_ROW_SCALED:
+                acc += part * a_scale[:, None] * b_scale[None, :]
+            else:
                 acc += part * a_scale[:, None] * b_scale
         elif ROW_SUMS:
             acc += part
@@ -110,6 +112,7 @@ def _wrapped(interpret: bool):
 
 
 def _kernel(device: torch.device):
+    """(the wrapped kernel, whether it runs under the interpreter) for tensors on `device`."""
     interpret = bool(triton.knobs.runtime.interpret)
     if device.type == "cpu" and not interpret:
         raise RuntimeError(
@@ -120,7 +123,7 @@ def _kernel(device: torch.device):
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"triton_invariant FP8 GEMM: tensors on {device} are not supported (cuda, or cpu "
                            "under TRITON_INTERPRET=1)")
-    return _wrapped(interpret)
+    return _wrapped(interpret), interpret
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -176,12 +179,12 @@ def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Te
         raise ValueError("triton_invariant FP8 GEMM: b_row_scaled needs block_scaled (1x128 groups for a)")
     _check_operands(a, b)
     _check_scales(a, b, a_scale_inv, b_scale_inv, block_scaled, b_row_scaled)
-    kernel = _kernel(a.device)
+    kernel, interpret = _kernel(a.device)
     (m, k), n = a.shape, b.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, TILE["BLOCK_M"]), triton.cdiv(n, TILE["BLOCK_N"]))
     scale_strides = (a_scale_inv.stride(0), b_scale_inv.stride(0)) if block_scaled else (0, 0)
     kernel[grid](a, b, y, a_scale_inv, b_scale_inv, m, n, k, a.stride(0), b.stride(0), y.stride(0),
                  *scale_strides, BLOCK_SCALED=block_scaled, B_ROW_SCALED=b_row_scaled,
-                 ROW_SUMS=a.device.type == "cpu", **TILE, **LAUNCH)
+                 ROW_SUMS=interpret, **TILE, **LAUNCH)
     return y
