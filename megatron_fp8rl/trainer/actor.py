@@ -20,8 +20,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron, main_replica_shards
@@ -242,20 +241,17 @@ class MegatronActor:
             self._served = served_scales(self.served_checkpoint)
         return self._served
 
-    def weights_for_rollout(self, sync_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights_for_rollout(self) -> Iterator[tuple[str, torch.Tensor]]:
         """All ranks (collective): the current weights as the rollout engine takes them, quantized
-        for rollout.fp8 (rollout_fp8.rollout_tensors), as a lazy stream that only global rank 0
-        reads. Aligned mode with shared scales: the trainer's FP8 scales go with them and become
-        the served ones of the next recompute and first mini-batch. At TP = PP = 1 straight from
-        the model; otherwise through a torch_dist snapshot in `sync_dir` (any TP/PP), which costs
-        a checkpoint written (fsync'd) and read back on every sync."""
-        in_memory = self.model_cfg.tensor_parallel == 1 and self.model_cfg.pipeline_parallel == 1
-        directory = None if in_memory else self.save_weights(sync_dir)
+        for rollout.fp8 (rollout_fp8.rollout_tensors), as a lazy stream gathered in memory at any
+        TP/PP (`hf_tensors_in_memory`): global rank 0 gets the tensors, and every other rank must
+        iterate its (empty) stream to the end at the same time, sending its shards. Aligned mode
+        with shared scales: the trainer's FP8 scales go with them and become the served ones of the
+        next recompute and first mini-batch."""
         shared = shares_scales(self.rollout_fp8, self.model_cfg.fp8)
         self._served = self.aligned_scales() if shared else None
-        weights = self.hf_tensors_in_memory() if in_memory else self.hf_tensors(directory)
-        return rollout_tensors(weights, int(self.hf_config["num_hidden_layers"]), self.rollout_fp8, self._served,
-                               self.model_cfg.fp8)
+        return rollout_tensors(self.hf_tensors_in_memory(), int(self.hf_config["num_hidden_layers"]),
+                               self.rollout_fp8, self._served, self.model_cfg.fp8)
 
     def fp8_metrics(self) -> dict[str, float]:
         """This rank's FP8 quantization statistics of its last forward/backward, for tensorboard:
@@ -290,30 +286,57 @@ class MegatronActor:
             yield from split_unit(unit, read_unit(directory, unit)).items()
 
     def hf_tensors_in_memory(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """`hf_tensors` of the current weights straight from the model, without a checkpoint
-        written and read back: the same ShardedTensors `save_weights` would write, assembled per
-        (key, layer) as the checkpoint reader would (same table, same checks). Only where this
-        rank holds every weight (TP = PP = 1); ValueError otherwise."""
-        if (parallel_state.get_tensor_model_parallel_world_size() != 1
-                or parallel_state.get_pipeline_model_parallel_world_size() != 1):
-            raise ValueError("hf_tensors_in_memory needs TP = PP = 1 (this rank must hold every "
-                             "weight); use save_weights + hf_tensors")
-        sharded = self.model.module.sharded_state_dict()
-        apply_factories(sharded)
-        slices, metadata = {}, {}
-        for tensor in nested_values(sharded):
+        """All ranks (collective over the default group): `hf_tensors` of the current weights
+        without a checkpoint written and read back, at any TP/PP/DP. Each rank lists the
+        ShardedTensors `save_weights` would write for it (main replicas, FP8 state left out); the
+        lists are exchanged once (metadata only); then, one (key, layer) slice at a time in the
+        conversion plan's order, the ranks holding pieces of it send them to global rank 0, which
+        assembles the slice as the checkpoint reader would (same table, same checks) and yields its
+        HF tensors. Rank 0's extra memory is one slice; every other rank yields nothing but must
+        iterate to the end (its sends happen there). Pieces travel on the tensors' own device
+        (NCCL: GPU; gloo: CPU)."""
+        pieces, listed = [], []
+        for tensor in main_replica_shards(self.model.module.sharded_state_dict()):
             if not isinstance(tensor, ShardedTensor) or tensor.key.endswith("_extra_state"):
                 continue
             layered = tensor.prepend_axis_num == 1
-            layer = tensor.global_offset[0] if layered else None
-            shape = tuple(tensor.global_shape[1:] if layered else tensor.global_shape)
-            target = slices.setdefault((tensor.key, layer), torch.empty(shape, dtype=tensor.dtype))
-            region = tuple(slice(o, o + n) for o, n in zip(tensor.global_offset[int(layered):], tensor.local_shape))
-            target[region] = tensor.data.detach()
-            metadata[tensor.key] = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype),
-                                                         torch.Size(tensor.global_shape), [])
+            pieces.append(tensor.data.detach())
+            listed.append((tensor.key, tensor.global_offset[0] if layered else None,
+                           tuple(tensor.global_shape), tuple(tensor.global_offset[int(layered):]),
+                           tuple(tensor.local_shape), tensor.dtype, layered))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, listed)
+        rank, metadata, holders = dist.get_rank(), {}, {}
+        for source, entries in enumerate(everyone):
+            for index, (key, layer, global_shape, offset, local_shape, dtype, layered) in enumerate(entries):
+                metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_shape), [])
+                holders.setdefault((key, layer), []).append((source, index, offset, local_shape, dtype, layered))
         for unit in plan_megatron_to_hf(self.hf_config, metadata):
-            yield from split_unit(unit, slices[(unit.rule.megatron, unit.layer)]).items()
+            parts = holders.get((unit.rule.megatron, unit.layer))
+            if parts is None:
+                raise ValueError(f"no rank holds {unit.rule.megatron} (layer {unit.layer}) of the model")
+            if rank != 0:
+                for source, index, *_ in parts:
+                    if source == rank:
+                        dist.send(pieces[index].contiguous(), dst=0)
+                continue
+            global_shape = metadata[unit.rule.megatron].size
+            target = torch.empty(tuple(global_shape[1:] if parts[0][5] else global_shape), dtype=parts[0][4])
+            for source, index, offset, local_shape, dtype, _ in parts:
+                if source == 0:
+                    piece = pieces[index]
+                else:
+                    piece = torch.empty(local_shape, dtype=dtype, device=self._transfer_device())
+                    dist.recv(piece, src=source)
+                target[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))] = piece
+            yield from split_unit(unit, target).items()
+
+    @staticmethod
+    def _transfer_device() -> torch.device:
+        """Where point-to-point pieces live: the GPU for NCCL, the CPU for gloo."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def aligned_scales(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         """All ranks (collective): {(global layer, linear path): (weight_scale_inv, input_scale_inv)}

@@ -235,8 +235,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
     if rank == 0:
         engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
     return StepContext(cfg=cfg, actor=actor, engine=engine, reward_fn=load_reward_fn(cfg.data.reward),
-                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                       sync_dir=run_dir / "sync")
+                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 BAR_PHASES = ("rollout", "recompute", "train", "sync")

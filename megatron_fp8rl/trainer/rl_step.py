@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -41,7 +40,6 @@ class StepContext:
     reward_fn: RewardFn
     decode: Callable[[list[int]], str]
     """Token ids -> text for the reward (the tokenizer's decode)."""
-    sync_dir: Path
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -182,11 +180,14 @@ def _colocated_engine(ctx: StepContext) -> bool:
 def sync_weights(ctx: StepContext, version: int) -> None:
     """Trainer weights -> rollout engine as weight `version` (MegatronActor.weights_for_rollout:
     quantized for rollout.fp8, with the trainer's FP8 scales in aligned mode)."""
-    tensors = ctx.actor.weights_for_rollout(ctx.sync_dir)
+    tensors = ctx.actor.weights_for_rollout()
     if _colocated_engine(ctx):
         ctx.engine.resume_memory(["weights"])  # back before they are written; no-op unless released
     if ctx.engine is not None:
         ctx.engine.update_weights(tensors, version=version)
+    else:
+        for _ in tensors:  # this rank's shards go to rank 0 as its stream is iterated
+            pass
     if _colocated_engine(ctx):
         ctx.engine.resume_memory()  # KV cache and CUDA graphs
     dist.barrier()

@@ -1,10 +1,12 @@
-"""The actor's in-memory weight stream (TP = PP = 1), which every weight sync at that layout now
-uses, equals the checkpoint round trip it replaces (save_weights + hf_tensors): the same HF names
-in the same order and bit-equal tensors, for a float32 and a calibrated FP8 trainer. One process
-(gloo), a tiny random Llama (its gated MLP is saved through Megatron's swiglu factory), converted
-once per module in this process: the property is the actor's weight stream, not the conversion,
-whose subprocess path the torchrun train tests run."""
+"""The actor's in-memory weight stream, which every weight sync uses, equals the checkpoint round
+trip it replaces (save_weights + hf_tensors): the same HF names in the same order and bit-equal
+tensors. TP = PP = 1 in this process (gloo), for a float32 and a calibrated FP8 trainer, on a tiny
+random Llama (its gated MLP is saved through Megatron's swiglu factory), converted once per module
+in this process: the property is the actor's weight stream, not the conversion, whose subprocess
+path the torchrun train tests run. At TP/PP/DP layouts under torchrun (4 processes, gloo), with
+dist_checkpointing made to raise while the stream runs (tests/workers/actor_weights.py)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,11 @@ from megatron_fp8rl.models.hf import build_conversion_target
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.objective import Objective
+from tests.helpers.processes import run_torchrun
+from tests.helpers.tiny_hf import save_tiny_hf
 from tests.helpers.tiny_models import build_tiny_model
+
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "actor_weights.py"
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +49,18 @@ def test_in_memory_weights_equal_the_checkpoint_round_trip(megatron_tp1, convert
     assert len(disk) == 3 + 2 * 9  # embeddings, final norm, lm_head; 9 per layer
     for (name, ours), (_, theirs) in zip(memory, disk):
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+
+
+@pytest.mark.multiprocess
+def test_in_memory_weights_gather_every_layout_without_a_checkpoint(megatron_tp1, tmp_path):
+    """TP2, PP2, TP2xPP2 and DP4 (TP=PP=1 on 4 ranks): rank 0's stream equals the round trip, the
+    other ranks yield nothing, and no dist_checkpointing save or load runs. Llama with tied
+    embeddings (PP puts a copy of the embedding on the last stage) and Qwen3 (q/k norms, untied)."""
+    archs = ("llama", "qwen3")
+    for arch in archs:
+        save_tiny_hf(arch, tmp_path / arch / "hf", dtype=torch.float32)
+    layouts = ("tp2pp1", "tp1pp2", "tp2pp2", "tp1pp1")
+    run_torchrun(WORKER, 4, "--workdir", str(tmp_path), "--layouts", *layouts, "--archs", *archs)
+    for arch in archs:
+        counts = {json.loads((tmp_path / arch / f"result_{tag}.json").read_text())["tensors"] for tag in layouts}
+        assert len(counts) == 1 and counts.pop() > 0, (arch, counts)

@@ -1,0 +1,85 @@
+"""torchrun worker: the actor's in-memory weight stream at TP/PP layouts equals the checkpoint
+round trip (save_weights + hf_tensors), with dist_checkpointing unusable while it runs.
+
+For each layout tpXppY and each architecture folder ARCH (WORKDIR/ARCH/hf): convert it in process
+(trainer.actor.convert_initial_checkpoint), build a MegatronActor at that layout (world size /
+(X*Y) data-parallel replicas), move every parameter off its converted value (per-rank noise, so a
+piece sent from the wrong rank or placed at the wrong offset shows), then stream
+`hf_tensors_in_memory()` on every rank with dist_checkpointing's save and load replaced by
+functions that raise, and compare rank 0's stream with `hf_tensors(save_weights(...))`: same HF
+names in the same order, bit-equal tensors. Rank 0 writes WORKDIR/ARCH/result_<layout>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+@contextmanager
+def no_dist_checkpointing():
+    from megatron.core import dist_checkpointing
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dist_checkpointing ran during the in-memory weight stream")
+
+    saved = dist_checkpointing.save, dist_checkpointing.load
+    dist_checkpointing.save = dist_checkpointing.load = refuse
+    try:
+        yield
+    finally:
+        dist_checkpointing.save, dist_checkpointing.load = saved
+
+
+def check(folder: Path, tag: str, fp8: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
+    from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
+    from megatron_fp8rl.trainer.objective import Objective
+
+    init = convert_initial_checkpoint(folder / "hf", folder / f"init_{tag}")
+    actor = MegatronActor(init, ModelConfig(hf_path=str(folder / "hf"), fp8=fp8), TrainConfig(),
+                          Objective(AlgorithmConfig(), max_response_length=8))
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    with torch.no_grad():
+        for param in actor.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.01)
+    with no_dist_checkpointing():
+        memory = list(actor.hf_tensors_in_memory())
+    directory = actor.save_weights(folder / f"sync_{tag}")
+    if dist.get_rank() != 0:
+        assert memory == [], f"rank {dist.get_rank()} yielded {len(memory)} tensors"
+        return
+    disk = list(actor.hf_tensors(directory))
+    names = [name for name, _ in memory]
+    assert names == [name for name, _ in disk], (names, [name for name, _ in disk])
+    for (name, ours), (_, theirs) in zip(memory, disk):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), f"{tag}: {name} differs"
+    (folder / f"result_{tag}.json").write_text(json.dumps({"tensors": len(memory), "names": names}))
+
+
+def main(args) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_fp8rl.launch import init_distributed, shutdown_distributed
+
+    for tag in args.layouts:
+        tp, pp = (int(n) for n in tag[2:].split("pp"))
+        parallel_state.destroy_model_parallel()
+        init_distributed(tp, pp, seed=11)
+        for arch in args.archs:
+            check(Path(args.workdir) / arch, tag, args.fp8)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--layouts", nargs="+", required=True, help="e.g. tp1pp1 tp2pp2")
+    parser.add_argument("--archs", nargs="+", required=True)
+    parser.add_argument("--fp8", default="none")
+    main(parser.parse_args())
