@@ -4,7 +4,7 @@ tensors. TP = PP = 1 in this process (gloo), for a float32 and a calibrated FP8 
 random Llama (its gated MLP is saved through Megatron's swiglu factory), converted once per module
 in this process: the property is the actor's weight stream, not the conversion, whose subprocess
 path the torchrun train tests run. At TP/PP/DP layouts under torchrun (4 processes, gloo), with
-dist_checkpointing made to raise while the stream runs (tests/workers/actor_weights.py)."""
+dist_checkpointing and transformers models made to raise while the stream runs (tests/workers/actor_weights.py)."""
 import json
 from pathlib import Path
 
@@ -54,8 +54,9 @@ def test_in_memory_weights_equal_the_checkpoint_round_trip(megatron_tp1, convert
 @pytest.mark.multiprocess
 def test_in_memory_weights_gather_every_layout_without_a_checkpoint(megatron_tp1, tmp_path):
     """TP2, PP2, TP2xPP2 and DP4 (TP=PP=1 on 4 ranks): rank 0's stream equals the round trip, the
-    other ranks yield nothing, and no dist_checkpointing save or load runs. Llama with tied
-    embeddings (PP puts a copy of the embedding on the last stage) and Qwen3 (q/k norms, untied)."""
+    other ranks yield nothing, and neither dist_checkpointing (save, load) nor a transformers model
+    runs. Llama with tied embeddings (PP puts a copy of the embedding on the last stage) and Qwen3
+    (q/k norms, untied)."""
     archs = ("llama", "qwen3")
     for arch in archs:
         save_tiny_hf(arch, tmp_path / arch / "hf", dtype=torch.float32)

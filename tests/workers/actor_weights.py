@@ -5,8 +5,8 @@ For each layout tpXppY and each architecture folder ARCH (WORKDIR/ARCH/hf): conv
 (trainer.actor.convert_initial_checkpoint), build a MegatronActor at that layout (world size /
 (X*Y) data-parallel replicas), move every parameter off its converted value (per-rank noise, so a
 piece sent from the wrong rank or placed at the wrong offset shows), then stream
-`hf_tensors_in_memory()` on every rank with dist_checkpointing's save and load replaced by
-functions that raise, and compare rank 0's stream with `hf_tensors(save_weights(...))`: same HF
+`hf_tensors_in_memory()` on every rank with dist_checkpointing's save and load and the
+construction of any transformers model replaced by functions that raise, and compare rank 0's stream with `hf_tensors(save_weights(...))`: same HF
 names in the same order, bit-equal tensors. Rank 0 writes WORKDIR/ARCH/result_<layout>.json.
 """
 from __future__ import annotations
@@ -20,18 +20,24 @@ import torch
 
 
 @contextmanager
-def no_dist_checkpointing():
+def no_checkpoint_and_no_other_model():
+    """dist_checkpointing's save and load, and building any transformers model, raise."""
     from megatron.core import dist_checkpointing
+    from transformers import PreTrainedModel
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("dist_checkpointing ran during the in-memory weight stream")
+    def refuse(what):
+        def raising(*args, **kwargs):
+            raise AssertionError(f"{what} ran during the in-memory weight stream")
+        return raising
 
-    saved = dist_checkpointing.save, dist_checkpointing.load
-    dist_checkpointing.save = dist_checkpointing.load = refuse
+    saved = dist_checkpointing.save, dist_checkpointing.load, PreTrainedModel.__init__
+    dist_checkpointing.save = refuse("dist_checkpointing.save")
+    dist_checkpointing.load = refuse("dist_checkpointing.load")
+    PreTrainedModel.__init__ = refuse("a transformers model")
     try:
         yield
     finally:
-        dist_checkpointing.save, dist_checkpointing.load = saved
+        dist_checkpointing.save, dist_checkpointing.load, PreTrainedModel.__init__ = saved
 
 
 def check(folder: Path, tag: str, fp8: str) -> None:
@@ -48,7 +54,7 @@ def check(folder: Path, tag: str, fp8: str) -> None:
     with torch.no_grad():
         for param in actor.model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.01)
-    with no_dist_checkpointing():
+    with no_checkpoint_and_no_other_model():
         memory = list(actor.hf_tensors_in_memory())
     directory = actor.save_weights(folder / f"sync_{tag}")
     if dist.get_rank() != 0:
