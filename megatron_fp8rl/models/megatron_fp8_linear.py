@@ -185,10 +185,12 @@ def fp8_layer_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
     return stats
 
 
-def _decoder(model: torch.nn.Module):
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """This rank's TransformerLayers of a GPTModel, through DDP / Float16Module wrappers (their
+    `layer_number` counts from the first pipeline stage, from 1)."""
     while not hasattr(model, "decoder") and hasattr(model, "module"):
-        model = model.module  # DDP / Float16Module wrappers
-    return model.decoder
+        model = model.module
+    return list(model.decoder.layers)
 
 
 def fp8_decoder_linears(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
@@ -197,7 +199,7 @@ def fp8_decoder_linears(model: torch.nn.Module) -> list[tuple[int, str, torch.nn
     The paths are the layers' own ("self_attention.linear_qkv", ...): which HF linears each one
     stands for is the model family's fact (models/families/<family>.py `DecoderLinear.megatron`)."""
     return [(layer.layer_number - 1, path, module)
-            for layer in _decoder(model).layers
+            for layer in decoder_layers(model)
             for path, module in layer.named_modules() if isinstance(module, _Fp8LinearMixin)]
 
 

@@ -49,7 +49,7 @@ from megatron_fp8rl.rollout.sglang_common import (
     sglang_sampling,
 )
 from megatron_fp8rl.rollout.weight_transfer import DistributedWeightSender
-from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
+from megatron_fp8rl.rollout.weights import ExpectedWeights, unshared, validate_named_tensors
 
 TRANSFERS = ("disk", "distributed")
 START_ATTEMPTS = 3
@@ -343,7 +343,7 @@ class SGLangServer:
             source = Path(self.config.model_path) / name
             if source.is_file():
                 (update_dir / name).write_bytes(source.read_bytes())
-        save_file(_unshared(checked), str(update_dir / "model.safetensors"))
+        save_file(unshared(checked), str(update_dir / "model.safetensors"))
         try:
             result = self._post(
                 "/update_weights_from_disk", {"model_path": str(update_dir), "weight_version": str(version)}
@@ -410,18 +410,6 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _unshared(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The tensors on the CPU, a copy for each one that starts where an earlier one does:
-    safetensors refuses tensors that share memory, as the one scale an aligned sync sends for the
-    fused q/k/v (or gate/up) shards does (views of disjoint slices it accepts)."""
-    out, starts = {}, set()
-    for name, tensor in named:
-        tensor = tensor.detach().cpu().contiguous()
-        out[name] = tensor.clone() if tensor.data_ptr() in starts else tensor
-        starts.add(tensor.data_ptr())
-    return out
 
 
 def _int_version(label, default: int) -> int:

@@ -2,7 +2,8 @@
 
 Owns: reading a Hugging Face checkpoint's parameter names, shapes and dtypes from its safetensors
 headers, and validating (name, tensor) pairs against them (an FP8 checkpoint's weights must come as
-float8_e4m3fn, its scales and other tensors as floating point). SGLang 0.5.23 answers an unknown name with a
+float8_e4m3fn, its scales and other tensors as floating point), and `unshared` (tensors as
+safetensors will write them). SGLang 0.5.23 answers an unknown name with a
 KeyError in its scheduler that kills the whole engine (DESIGN.md hazard 4), so nothing unchecked
 is ever sent.
 Must not import: convert, data, trainer, cli.
@@ -120,3 +121,15 @@ def _chunk_finite(chunk: torch.Tensor) -> bool:
 def _closest(name: str, expected: ExpectedWeights, k: int = 3) -> list[str]:
     """Expected names most like `name` (a fused `qkv_proj` points at its q/k/v shards)."""
     return difflib.get_close_matches(name, list(expected.shapes), n=k, cutoff=0.0)
+
+
+def unshared(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The tensors on the CPU, a copy for each one that starts where an earlier one does:
+    safetensors refuses tensors that share memory, as the one scale an aligned sync sends for the
+    fused q/k/v (or gate/up) shards does (views of disjoint slices it accepts)."""
+    out, starts = {}, set()
+    for name, tensor in named:
+        tensor = tensor.detach().cpu().contiguous()
+        out[name] = tensor.clone() if tensor.data_ptr() in starts else tensor
+        starts.add(tensor.data_ptr())
+    return out

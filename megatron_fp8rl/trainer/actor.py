@@ -28,21 +28,30 @@ from megatron_fp8rl.convert.integrity import verify_torch_dist
 from megatron_fp8rl.convert.megatron_to_hf import (
     plan_megatron_to_hf, read_tensor_metadata, read_unit, split_unit,
 )
+from megatron_fp8rl.models.family import HF_LAYER
 from megatron_fp8rl.models.hf import build_conversion_target, build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.models.megatron_attention import sglang_call_layout
 from megatron_fp8rl.models.megatron_fp8_linear import (
-    fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
+    decoder_layers, fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
 )
+from megatron_fp8rl.models.registry import family_for
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
 from megatron_fp8rl.rl.noise import NoiseFloor
-from megatron_fp8rl.trainer.batch import RolloutBatch, micro_batches, prompt_lengths, split_mini_batches
+from megatron_fp8rl.rollout.engine import RolloutSample
+from megatron_fp8rl.trainer.batch import (
+    RolloutBatch,
+    build_batch,
+    micro_batches,
+    prompt_lengths,
+    split_mini_batches,
+)
 from megatron_fp8rl.trainer.clip_calibration import ClipCalibrator
 from megatron_fp8rl.trainer.config import ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.megatron_step import (
     StepResult, build_optimizer, forward_backward, forward_only, step_result, wrap_ddp,
 )
 from megatron_fp8rl.trainer.objective import MiniBatchTerms, Objective
-from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors, served_scales, shares_scales
+from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors, shares_scales
 
 
 def convert_initial_checkpoint(hf_path: Path, output: Path) -> Path:
@@ -94,17 +103,12 @@ class MegatronActor:
     `model_cfg.dtype` (bfloat16: Megatron mixed precision, trainer.megatron_step.wrap_ddp)."""
 
     def __init__(self, init_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig,
-                 objective: Objective, fp8_gemm: str = "auto", rollout_fp8: str = "none",
-                 served_checkpoint: Path | None = None):
+                 objective: Objective, fp8_gemm: str = "auto", rollout_fp8: str = "none"):
         """`train_cfg`: the optimizer's settings (it is an OptimConfig), mini_batches and
         micro_batch_size; `objective`: the run's, built once; `fp8_gemm`: our FP8 linears' GEMM
-        (fp8.linear.GEMMS; RunConfig.trainer_fp8_gemm); `rollout_fp8`: rollout.fp8;
-        `served_checkpoint`: the FP8 checkpoint the rollout engine starts from
-        (trainer/rollout_fp8.py), whose scales it serves until the first weight sync; needed when
-        the two share scales (rollout_fp8.shares_scales)."""
-        if shares_scales(rollout_fp8, model_cfg.fp8) and served_checkpoint is None:
-            raise ValueError(f"rollout.fp8={rollout_fp8} with model.fp8={model_cfg.fp8} shares FP8 scales: "
-                             "the actor needs the served FP8 checkpoint (served_checkpoint)")
+        (fp8.linear.GEMMS; RunConfig.trainer_fp8_gemm); `rollout_fp8`: rollout.fp8. The rollout
+        engine starts from this actor's own `weights_for_rollout` (trainer/loop.py), so the FP8
+        scales it serves are the ones the actor remembers."""
         self.hf_config = json.loads((Path(model_cfg.hf_path) / "config.json").read_text())
         check_parallel_layout(self.hf_config, parallel_state.get_tensor_model_parallel_world_size(),
                               parallel_state.get_pipeline_model_parallel_world_size())
@@ -114,7 +118,7 @@ class MegatronActor:
         self.model = wrap_ddp(model, distributed_optimizer=train_cfg.distributed_optimizer)
         self.optimizer = build_optimizer(self.model, train_cfg)
         self.model_cfg, self.train_cfg, self.objective = model_cfg, train_cfg, objective
-        self.rollout_fp8, self.served_checkpoint = rollout_fp8, served_checkpoint
+        self.rollout_fp8 = rollout_fp8
         self.calibrator = ClipCalibrator(objective.algo) if objective.algo.clip_calibration == "shadow" else None
         """Calibrated Clipping's state (algorithm.clip_calibration=shadow); None otherwise."""
         self._served: dict | None = None
@@ -233,25 +237,68 @@ class MegatronActor:
 
     def _served_scales(self) -> dict | None:
         """Aligned FP8 rollouts of a shared-scale recipe: the FP8 scales the rollout engine serves
-        now (from the last `weights_for_rollout`, or before the first one from the served
-        checkpoint); else None (a row-group recipe's scales are recomputed, not shared)."""
+        now (those of the last `weights_for_rollout`, the start checkpoint's included); else None
+        (a row-group recipe's scales are recomputed, not shared). RuntimeError before any."""
         if not shares_scales(self.rollout_fp8, self.model_cfg.fp8):
             return None
         if self._served is None:
-            self._served = served_scales(self.served_checkpoint)
+            raise RuntimeError("aligned FP8 with shared scales: no weights were served yet "
+                               "(weights_for_rollout makes the engine's start checkpoint and every sync)")
         return self._served
 
-    def weights_for_rollout(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights_for_rollout(self, input_bounds: dict[str, dict[str, float]] | None = None
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
         """All ranks (collective): the current weights as the rollout engine takes them, quantized
         for rollout.fp8 (rollout_fp8.rollout_tensors), as a lazy stream gathered in memory at any
         TP/PP (`hf_tensors_in_memory`): global rank 0 gets the tensors, and every other rank must
-        iterate its (empty) stream to the end at the same time, sending its shards. Aligned mode
-        with shared scales: the trainer's FP8 scales go with them and become the served ones of the
-        next recompute and first mini-batch."""
+        iterate its (empty) stream to the end at the same time, sending its shards. The engine's
+        start checkpoint and every weight sync are this stream. Aligned mode with shared scales:
+        the trainer's FP8 scales go with them and become the served ones of the next recompute and
+        first mini-batch. `input_bounds` (HF module -> {"input": bound}, `calibration_forward`):
+        static input scales to send too (the start checkpoint of rollout.fp8=per_tensor static)."""
         shared = shares_scales(self.rollout_fp8, self.model_cfg.fp8)
         self._served = self.aligned_scales() if shared else None
         return rollout_tensors(self.hf_tensors_in_memory(), int(self.hf_config["num_hidden_layers"]),
-                               self.rollout_fp8, self._served, self.model_cfg.fp8)
+                               self.rollout_fp8, self._served, self.model_cfg.fp8, input_bounds)
+
+    def calibration_forward(self, prompts: list[list[int]]) -> dict[str, dict[str, float]]:
+        """All ranks (collective): no-grad forwards of this actor over `prompts` (token ids, one
+        prompt a forward), before any training. Its FP8 linears' live quantizers observe them, so the recipe's own rule
+        predicts the input scales the first rollout serves (`aligned_scales`); and every decoder
+        linear's max |input| is recorded, maxed over all ranks (TP shards, pipeline stages): HF
+        module -> {"input": bound}, each HF linear of a fused Megatron one getting its bound (the
+        static input scales of rollout.fp8=per_tensor, TE's 'max' calibration)."""
+        family = family_for(self.hf_config)
+        bounds: dict[tuple[int, str], float] = {}
+        hooks = []
+
+        def record(key):
+            def hook(module, args):
+                amax = float(args[0].detach().abs().float().max())
+                bounds[key] = max(bounds.get(key, 0.0), amax)
+            return hook
+
+        for layer in decoder_layers(self.model):
+            for linear in family.linears:
+                module = layer.get_submodule(linear.megatron)
+                hooks.append(module.register_forward_pre_hook(record((layer.layer_number - 1, linear.megatron))))
+        try:
+            with torch.no_grad():  # one prompt at a time: no padding positions in the maxima
+                for index, ids in enumerate(prompts):
+                    sample = RolloutSample(index, list(ids), [], [], "stop", 0)
+                    self.logprobs([build_batch([sample], torch.zeros(1), len(ids))], as_served=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, bounds)
+        merged: dict[tuple[int, str], float] = {}
+        for part in everyone:
+            for key, value in part.items():
+                merged[key] = max(merged.get(key, 0.0), value)
+        hf_modules = {linear.megatron: linear.hf for linear in family.linears}
+        return {HF_LAYER.format(layer=layer) + module: {"input": value}
+                for (layer, path), value in sorted(merged.items()) for module in hf_modules[path]}
 
     def fp8_metrics(self) -> dict[str, float]:
         """This rank's FP8 quantization statistics of its last forward/backward, for tensorboard:

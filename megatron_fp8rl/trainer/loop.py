@@ -75,20 +75,36 @@ def _sglang_config(cfg: RunConfig):
 
 def _rollout_model_path(cfg: RunConfig) -> Path:
     """The checkpoint the rollout engine or server starts from: the HF checkpoint
-    (rollout.fp8=none) or its FP8 export for rollout.fp8 (static input scales calibrated on the
-    first training prompts; trainer/rollout_fp8.py)."""
-    from transformers import AutoTokenizer
-
-    from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint
-
+    (rollout.fp8=none) or the FP8 one `_write_rollout_start` made from the actor."""
     if cfg.rollout.fp8 == "none":
         return Path(cfg.model.hf_path)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-    records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)[:16]
-    prompts = [tokenizer.decode(prompt_token_ids(r, tokenizer)) for r in records]
-    return prepare_rollout_checkpoint(
-        Path(cfg.model.hf_path), Path(cfg.run_dir) / ROLLOUT_CHECKPOINT, cfg.rollout.fp8,
-        cfg.rollout.activation_scheme, cfg.model.fp8, prompts, cfg.model.recipe())
+    return Path(cfg.run_dir) / ROLLOUT_CHECKPOINT
+
+
+def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer) -> None:
+    """All ranks (collective), rollout.fp8 != none: the FP8 checkpoint the rollout engine starts
+    from, made from the actor itself: for static input scales (aligned with a shared-scale
+    recipe, or per_tensor static) one calibration forward over the first 16 training prompts
+    first (the recipe's own rule picks the served scales; per_tensor static takes the max |input|
+    of each linear), then the actor's `weights_for_rollout` stream, the one every sync sends,
+    written by rank 0 (trainer/rollout_fp8.write_rollout_checkpoint). No other model is built and
+    no checkpoint is read."""
+    from megatron_fp8rl.trainer.rollout_fp8 import needs_calibration, write_rollout_checkpoint
+
+    rollout = cfg.rollout
+    bounds = None
+    if needs_calibration(rollout.fp8, rollout.activation_scheme, cfg.model.fp8):
+        records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)[:16]
+        bounds = actor.calibration_forward([prompt_token_ids(r, tokenizer) for r in records])
+    static = rollout.fp8 == "per_tensor" and rollout.activation_scheme == "static"
+    tensors = actor.weights_for_rollout(bounds if static else None)
+    if dist.get_rank() == 0:
+        write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg), rollout.fp8,
+                                 rollout.activation_scheme, cfg.model.fp8)
+    else:
+        for _ in tensors:  # this rank's shards go to rank 0 as its stream is iterated
+            pass
+    dist.barrier()
 
 
 def _start_server(cfg: RunConfig):
@@ -230,7 +246,9 @@ def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
     convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
     actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                           Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
-                          rollout_fp8=cfg.rollout.fp8, served_checkpoint=run_dir / ROLLOUT_CHECKPOINT)
+                          rollout_fp8=cfg.rollout.fp8)
+    if cfg.rollout.fp8 != "none":
+        _write_rollout_start(cfg, actor, tokenizer)
     engine = None
     if rank == 0:
         engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)

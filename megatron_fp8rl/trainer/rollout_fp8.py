@@ -14,9 +14,12 @@ Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
   fused q/k/v or gate/up shards and, through the amax reduction, by its TP shards); the served
   checkpoint holds exactly those as `weight_scale` / `input_scale` of every HF shard, and the
   trainer recomputes old logprobs with the same multipliers frozen
-  (`models.megatron_fp8_linear.frozen_fp8_scales`). At start, before the trainer has recorded any
-  activation bound, the scales come from the calibrated recipe's rules applied to the HF weights
-  and to activations calibrated on prompts; the trainer reads them back from the served checkpoint.
+  (`models.megatron_fp8_linear.frozen_fp8_scales`). At start, the actor's one calibration
+  forward gives its live quantizers their first input bounds, so the recipe's own rule picks them.
+The engine's start checkpoint is written from the actor's own stream, the one every sync sends
+(`write_rollout_checkpoint`; trainer/loop.py), after that calibration forward where input scales
+are static (`needs_calibration`). `prepare_rollout_checkpoint` is the same checkpoint exported
+from an HF folder, for an engine without a trainer (tests, bench/rollout.py).
 Scales are keyed by (global layer number, Megatron linear path: the model family's
 `DecoderLinear.megatron`, models/families/<family>.py), values are fp32 dequant
 multipliers (weight_scale_inv, input_scale_inv).
@@ -30,20 +33,24 @@ from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds
 from megatron_fp8rl.convert.fp8_export import (
     Fp8ExportOptions,
     export_fp8,
     export_tensor,
+    quantization_config,
     quantized_module,
 )
+from megatron_fp8rl.convert.outputs import atomic_output, copy_hf_side_files
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.quantize import finite_amax, quantize_with_scale_inv
 from megatron_fp8rl.fp8.recipe import Fp8Recipe, recipe_by_name
 from megatron_fp8rl.models.family import ModelFamily
 from megatron_fp8rl.models.registry import family_for, weight_linear
+from megatron_fp8rl.rollout.weights import unshared
 from megatron_fp8rl.trainer.config import ROW_GROUP_RECIPES, SHARED_SCALE_RECIPES, check_rollout_fp8
 
 ROLLOUT_CHECKPOINT = "rollout_fp8"
@@ -54,6 +61,12 @@ Scales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 def shares_scales(rollout_fp8: str, trainer_fp8: str) -> bool:
     """Whether the rollout serves the trainer's per-tensor scales (aligned, shared-scale recipe)."""
     return rollout_fp8 == "aligned" and trainer_fp8 in SHARED_SCALE_RECIPES
+
+
+def needs_calibration(rollout_fp8: str, activation_scheme: str, trainer_fp8: str) -> bool:
+    """Whether the start checkpoint needs a calibration forward: static input scales (aligned with
+    a shared-scale recipe, or per_tensor static)."""
+    return shares_scales(rollout_fp8, trainer_fp8) or (rollout_fp8 == "per_tensor" and activation_scheme == "static")
 
 
 def export_options(rollout_fp8: str, activation_scheme: str, bounds=None, trainer_fp8: str = "") -> Fp8ExportOptions:
@@ -147,18 +160,20 @@ def served_scales(fp8_dir: Path) -> Scales:
 
 
 def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, rollout_fp8: str,
-                    scales: Scales | None = None, trainer_fp8: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+                    scales: Scales | None = None, trainer_fp8: str = "",
+                    input_bounds: dict[str, dict[str, float]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors a weight sync sends for rollout mode `rollout_fp8`: high-precision as is
-    (none), quantized like the exporter (blockwise, per_tensor: weight and weight scale; a static
-    checkpoint keeps its input scales; aligned with a row-group `trainer_fp8`: weight and its
-    1x128 group scales), or quantized with the trainer's `scales` (aligned with a shared-scale
-    recipe: weight, weight_scale and input_scale of every HF linear). Which tensors are decoder
-    linears comes from the model families' tables (models.registry.weight_linear): a name no
-    family knows raises UnsupportedModelError before anything is sent."""
+    (none), quantized like the exporter (blockwise, per_tensor: weight and weight scale, plus the
+    static input scale of `input_bounds` when given, as the start checkpoint of a static
+    per_tensor engine needs, which later syncs keep; aligned with a row-group `trainer_fp8`:
+    weight and its 1x128 group scales), or quantized with the trainer's `scales` (aligned with a
+    shared-scale recipe: weight, weight_scale and input_scale of every HF linear). Which tensors
+    are decoder linears comes from the model families' tables (models.registry.weight_linear): a
+    name no family knows raises UnsupportedModelError before anything is sent."""
     if rollout_fp8 == "none":
         yield from named
         return
-    options = export_options(rollout_fp8, "dynamic", trainer_fp8=trainer_fp8)
+    options = export_options(rollout_fp8, "static" if input_bounds else "dynamic", input_bounds, trainer_fp8)
     if rollout_fp8 == "aligned" and options.scheme == "tensor" and scales is None:
         raise ValueError(f"aligned rollouts of trainer recipe {trainer_fp8!r} send the trainer's scales: none given")
     for name, tensor in named:
@@ -172,3 +187,39 @@ def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, 
         yield name, quantized.data
         yield f"{module}.weight_scale", weight_inv.reshape(())
         yield f"{module}.input_scale", input_inv.reshape(())
+
+
+def write_rollout_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], hf_path: Path, output: Path,
+                             rollout_fp8: str, activation_scheme: str, trainer_fp8: str,
+                             shard_bytes: int = 1 << 30) -> Path:
+    """Global rank 0: the checkpoint the rollout engine starts from, written from the actor's own
+    stream (`MegatronActor.weights_for_rollout`, the tensors every sync sends) at `output`:
+    safetensors shards of about `shard_bytes` with an index, the HF side files of `hf_path`, and
+    config.json with the `quantization_config` of `rollout_fp8` (trainer/config.py). Written to a
+    temporary folder and renamed at the end (convert.outputs.atomic_output); one shard in memory."""
+    hf = json.loads((Path(hf_path) / "config.json").read_text())
+    options = export_options(rollout_fp8, activation_scheme, trainer_fp8=trainer_fp8)
+    with atomic_output(Path(output), overwrite=True) as tmp:
+        weight_map, shard, size, total = {}, [], 0, 0
+
+        def flush():
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(unshared(shard), str(tmp / name))
+            weight_map.update({tensor_name: name for tensor_name, _ in shard})
+            shard.clear()
+
+        for name, tensor in tensors:
+            shard.append((name, tensor))
+            nbytes = tensor.numel() * tensor.element_size()
+            size, total = size + nbytes, total + nbytes
+            if size >= shard_bytes:
+                flush()
+                size = 0
+        if shard:
+            flush()
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        copy_hf_side_files(Path(hf_path), tmp)
+        (tmp / "config.json").write_text(json.dumps(dict(hf, quantization_config=quantization_config(hf, options)),
+                                                    indent=2))
+    return Path(output)
