@@ -69,17 +69,11 @@ def check(folder: Path, tag: str, fp8: str) -> None:
 
 
 def main(args) -> None:
-    from megatron.core import parallel_state
+    from tests.helpers.layouts import each_layout
 
-    from megatron_fp8rl.launch import init_distributed, shutdown_distributed
-
-    for tag in args.layouts:
-        tp, pp = (int(n) for n in tag[2:].split("pp"))
-        parallel_state.destroy_model_parallel()
-        init_distributed(tp, pp, seed=11)
+    for tag in each_layout(args.layouts):
         for arch in args.archs:
             check(Path(args.workdir) / arch, tag, args.fp8)
-    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -35,20 +35,14 @@ def resave(workdir: Path, arch: str, tag: str) -> None:
 
 
 def main(args) -> None:
-    from megatron.core import parallel_state
-
-    from megatron_fp8rl.launch import init_distributed, shutdown_distributed
     from megatron_fp8rl.trainer.actor import convert_initial_checkpoint
+    from tests.helpers.layouts import each_layout
 
-    for tag in args.layouts:
-        tp, pp = (int(n) for n in tag[2:].split("pp"))
-        parallel_state.destroy_model_parallel()
-        init_distributed(tp, pp, seed=11)
+    for tag in each_layout(args.layouts):
         for arch in args.archs:
             resave(Path(args.workdir), arch, tag)
             folder = Path(args.workdir) / arch
             convert_initial_checkpoint(folder / "hf", folder / f"initial_{tag}")
-    shutdown_distributed()
 
 
 if __name__ == "__main__":
