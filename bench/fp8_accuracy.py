@@ -11,6 +11,10 @@ quantizers (the values an FP8 GEMM multiplies; its fp32 accumulation differs onl
     block/group     weights per 128x128 block, activations per 1x128 group (DeepSeek/SGLang)
     group/group     weights per 1x128 group (each output channel's K in groups of 128),
                     activations per 1x128 group: the `groupwise` recipe, aligned rollouts' default
+    group32/group32 1x32 groups on both sides (MXFP8's block length, with fp32 scales)
+    none            on either side: that operand stays float32 (which side costs the accuracy)
+    ...@F:L         the first F and the last L decoder layers stay float32 (Megatron-LM's
+                    --first-last-layers-bf16 idea), e.g. group/group@1:1
 The baseline is the same model in float32, measured in the same run: greedy accuracy on the same
 problems (with the problems gained/lost and McNemar's p), and mean |Δlogp| over the response
 tokens of float32's own greedy answers (teacher-forced).
@@ -59,9 +63,22 @@ def per_block(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 WEIGHTS = {"tensor": per_tensor, "channel": per_row, "block": lambda w: per_block(w, (128, 128)),
-           "group": lambda w: per_block(w, (1, 128))}
-ACTIVATIONS = {"token": per_row, "group": lambda x: per_block(x, (1, 128))}
+           "group": lambda w: per_block(w, (1, 128)), "group32": lambda w: per_block(w, (1, 32)),
+           "none": lambda w: w}
+ACTIVATIONS = {"token": per_row, "group": lambda x: per_block(x, (1, 128)),
+               "group32": lambda x: per_block(x, (1, 32)), "none": lambda x: x}
 GRANULARITIES = ("tensor/static", "tensor/token", "channel/token", "block/group", "group/group")
+
+
+def parse_granularity(text: str) -> tuple[str, str, int, int]:
+    """'weights/activations[@first:last]' -> (weights, activations, first, last)."""
+    scheme, _, kept = text.partition("@")
+    weights, _, activations = scheme.partition("/")
+    if weights not in WEIGHTS or (activations not in ACTIVATIONS and activations != "static"):
+        raise SystemExit(f"--granularities: unknown {text!r} (weights: {sorted(WEIGHTS)}; "
+                         f"activations: {sorted(ACTIVATIONS) + ['static']})")
+    first, _, last = kept.partition(":") if kept else ("0", "", "0")
+    return weights, activations, int(first), int(last or 0)
 
 
 def decoder_linears(model) -> list[torch.nn.Linear]:
@@ -90,9 +107,10 @@ class QdqLinear(torch.nn.Module):
 
 def quantized_copy(model_dir: Path, granularity: str, calibration: list[str], tokenizer):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    weights, activations = granularity.split("/")
+    weights, activations, first, last = parse_granularity(granularity)
+    layers = model.model.layers
     wrapped = []
-    for layer in model.model.layers:
+    for layer in list(layers)[first:len(layers) - last]:
         for parent in layer.modules():
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
@@ -158,7 +176,10 @@ def main() -> None:
     print("\n| granularity (weights/activations) | greedy acc | vs float32 | gained/lost | McNemar p | mean abs dlogp |")
     print("|---|---|---|---|---|---|")
     print(f"| float32 | {sum(base_correct) / len(records):.3f} | 0 | - | - | 0 |")
-    for granularity in args.granularities.split(","):
+    granularities = args.granularities.split(",")
+    for granularity in granularities:
+        parse_granularity(granularity)
+    for granularity in granularities:
         model = quantized_copy(args.model, granularity, calibration, tokenizer)
         answers = greedy(model, tokenizer, texts, args.max_new_tokens)
         correct = [last_number_reward(decode(ids), r.answer) > 0 for ids, r in zip(answers, records)]
