@@ -89,15 +89,14 @@ def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer) -> Non
     of each linear), then the actor's `weights_for_rollout` stream, the one every sync sends,
     written by rank 0 (trainer/rollout_fp8.write_rollout_checkpoint). No other model is built and
     no checkpoint is read."""
-    from megatron_fp8rl.trainer.rollout_fp8 import needs_calibration, write_rollout_checkpoint
+    from megatron_fp8rl.trainer.rollout_fp8 import needs_calibration, static_per_tensor, write_rollout_checkpoint
 
     rollout = cfg.rollout
     bounds = None
     if needs_calibration(rollout.fp8, rollout.activation_scheme, cfg.model.fp8):
         records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)[:16]
         bounds = actor.calibration_forward([prompt_token_ids(r, tokenizer) for r in records])
-    static = rollout.fp8 == "per_tensor" and rollout.activation_scheme == "static"
-    tensors = actor.weights_for_rollout(bounds if static else None)
+    tensors = actor.weights_for_rollout(bounds if static_per_tensor(rollout.fp8, rollout.activation_scheme) else None)
     if dist.get_rank() == 0:
         write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg), rollout.fp8,
                                  rollout.activation_scheme, cfg.model.fp8)

@@ -63,10 +63,16 @@ def shares_scales(rollout_fp8: str, trainer_fp8: str) -> bool:
     return rollout_fp8 == "aligned" and trainer_fp8 in SHARED_SCALE_RECIPES
 
 
+def static_per_tensor(rollout_fp8: str, activation_scheme: str) -> bool:
+    """Whether the rollout serves per-tensor FP8 with static input scales of its own (measured by
+    the actor's calibration forward and sent with the start checkpoint)."""
+    return rollout_fp8 == "per_tensor" and activation_scheme == "static"
+
+
 def needs_calibration(rollout_fp8: str, activation_scheme: str, trainer_fp8: str) -> bool:
     """Whether the start checkpoint needs a calibration forward: static input scales (aligned with
     a shared-scale recipe, or per_tensor static)."""
-    return shares_scales(rollout_fp8, trainer_fp8) or (rollout_fp8 == "per_tensor" and activation_scheme == "static")
+    return shares_scales(rollout_fp8, trainer_fp8) or static_per_tensor(rollout_fp8, activation_scheme)
 
 
 def export_options(rollout_fp8: str, activation_scheme: str, bounds=None, trainer_fp8: str = "") -> Fp8ExportOptions:
