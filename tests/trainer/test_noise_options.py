@@ -127,6 +127,7 @@ STEP_TAGS = ("noise/delta_q0.5", "noise/delta_q0.9", "noise/abs_delta_q0.9", "no
              "noise/count", "train/pg_loss")
 
 
+@pytest.mark.slow  # ~120 s (two runs); the options' arithmetic is tested above without processes
 @pytest.mark.multiprocess
 def test_bypass_and_decoupled_end_to_end(tiny_run_inputs, tmp_path):
     """FP8 trainer against fp32 rollouts (real noise), one step of two mini-batches each mode."""

@@ -98,7 +98,9 @@ ALIGNED_MISMATCH_TOL = 1e-3
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe,old_policy", [
-    ("calibrated", ["algorithm.old_policy=decoupled"]),
+    # ~50 s each: the shared-scale recipe's decoupled case runs in the slow tier (calibrated-bypass
+    # keeps shared scales, groupwise-decoupled the default recipe, in the default tier)
+    pytest.param("calibrated", ["algorithm.old_policy=decoupled"], marks=pytest.mark.slow),
     ("calibrated", ["algorithm.old_policy=bypass", "algorithm.correction=none"]),
     ("groupwise", ["algorithm.old_policy=decoupled"]),
 ], ids=["calibrated-decoupled", "calibrated-bypass", "groupwise-decoupled"])
@@ -157,6 +159,7 @@ def test_aligned_groupwise_smollm2_ratio_is_exactly_one(tmp_path):
     assert scalars["train/mismatch_abs_logprob_diff_mean"][0] < 3e-4
 
 
+@pytest.mark.slow  # ~55 s; the first-forward-equals-π_old check stays in the default tier (FP8, one mini-batch)
 @pytest.mark.multiprocess
 def test_float32_recompute_runs_as_the_training_forward(tiny_run_inputs, tmp_path):
     """float32 trainer and rollouts, decoupled, two mini-batches: the old-logprob recompute runs as
@@ -214,6 +217,7 @@ def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
     assert state["clip_calibration"]["calibrated"] == pytest.approx([low[-1], high[-1]])
 
 
+@pytest.mark.slow  # ~110 s; bf16 Megatron training stays in the default tier via test_parallel_layouts
 @pytest.mark.multiprocess
 def test_train_bf16_checkpoints_resumes_and_exports(tiny_run_inputs, tmp_path):
     """1 process, twice: model.dtype=bfloat16 (Megatron mixed precision) with SGLang serving
