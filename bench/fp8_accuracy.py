@@ -19,8 +19,9 @@ The baseline is the same model in float32, measured in the same run: greedy accu
 problems (with the problems gained/lost and McNemar's p), and mean |Δlogp| over the response
 tokens of float32's own greedy answers (teacher-forced).
 
-    python bench/fp8_accuracy.py [--model .cache/smollm2] [--problems 300] [--ops mul,mul2] [--seed 1234]
-(--seed picks the problems; the trainer's own eval set is `--seed <train.seed>`.)
+    python bench/fp8_accuracy.py [--model .cache/smollm2] [--problems 300] [--ops add,mul] [--seed 1234]
+(--ops defaults to the CPU demo's task, examples/cpu_demo.yaml's data.arithmetic_ops; --seed picks
+the problems; the trainer's own eval set is `--seed <train.seed>`.)
 """
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=REPO / ".cache" / "smollm2")
     parser.add_argument("--problems", type=int, default=300)
-    parser.add_argument("--ops", default="mul,mul2")
+    parser.add_argument("--ops", default="add,mul", help="arithmetic ops (default: the CPU demo's)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--logprob-problems", type=int, default=64)
     parser.add_argument("--granularities", default=",".join(GRANULARITIES))

@@ -166,7 +166,7 @@ def _run_row(name: str, args, model: Path, work: Path) -> tuple[list[dict], list
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
     sampler = PromptSampler(records, cfg.data.prompts_per_step, seed=cfg.train.seed)
-    ctx = start_run(cfg, 0, tokenizer)
+    ctx = start_run(cfg, 0, tokenizer, records)
     plain = PlainGRPO(model, tokenizer, cfg)
     profiler = cProfile.Profile() if args.profile else None
     project_rows, plain_rows = [], []

@@ -81,7 +81,8 @@ def _rollout_model_path(cfg: RunConfig) -> Path:
     return Path(cfg.run_dir) / ROLLOUT_CHECKPOINT
 
 
-def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer) -> None:
+def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer,
+                         train_records: list[PromptRecord]) -> None:
     """All ranks (collective), rollout.fp8 != none: the FP8 checkpoint the rollout engine starts
     from, made from the actor itself: for static input scales (aligned with a shared-scale
     recipe, or per_tensor static) one calibration forward over the first 16 training prompts
@@ -94,8 +95,7 @@ def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer) -> Non
     rollout = cfg.rollout
     bounds = None
     if needs_calibration(rollout.fp8, rollout.activation_scheme, cfg.model.fp8):
-        records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)[:16]
-        bounds = actor.calibration_forward([prompt_token_ids(r, tokenizer) for r in records])
+        bounds = actor.calibration_forward([prompt_token_ids(r, tokenizer) for r in train_records[:16]])
     tensors = actor.weights_for_rollout(bounds if static_per_tensor(rollout.fp8, rollout.activation_scheme) else None)
     if dist.get_rank() == 0:
         write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg), rollout.fp8,
@@ -193,7 +193,7 @@ def _prepare(cfg: RunConfig, rank: int):
     eval_records = load_records(cfg.data.eval, "eval", cfg.data.eval_size, cfg)[:cfg.data.eval_size]
     if rank == 0:
         print("\n".join(plan_lines(cfg, len(train_records), len(eval_records))), flush=True)
-    ctx = start_run(cfg, rank, tokenizer)
+    ctx = start_run(cfg, rank, tokenizer, train_records)
     return (ctx, tokenizer, train_records, [prompt_token_ids(r, tokenizer) for r in eval_records],
             [r.answer for r in eval_records])
 
@@ -232,9 +232,10 @@ def plan_lines(cfg: RunConfig, train_size: int, eval_size: int) -> list[str]:
             "setup  converting the checkpoint, starting SGLang, first eval (a minute or two)"]
 
 
-def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
+def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRecord]) -> StepContext:
     """All ranks: claim the run directory, convert the start checkpoint (once), build the actor
-    and (rank 0) the rollout engine: what every `rl_step` uses. The caller shuts the engine down."""
+    (calibrated on the first 16 `train_records` where input scales are static) and (rank 0) the
+    rollout engine: what every `rl_step` uses. The caller shuts the engine down."""
     run_dir = Path(cfg.run_dir)
     cfg.checkpoint.dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
     provenance = check_run_dir(cfg)
@@ -247,7 +248,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer) -> StepContext:
                           Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
                           rollout_fp8=cfg.rollout.fp8)
     if cfg.rollout.fp8 != "none":
-        _write_rollout_start(cfg, actor, tokenizer)
+        _write_rollout_start(cfg, actor, tokenizer, train_records)
     engine = None
     if rank == 0:
         engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
