@@ -57,7 +57,8 @@ def _start_checkpoint(model, run_dir, overrides):
                                         *overrides])
     actor = MegatronActor(convert_initial_checkpoint(model, run_dir / "init"), cfg.model, cfg.train,
                           Objective(cfg.algorithm, max_response_length=8), rollout_fp8=cfg.rollout.fp8)
-    _write_rollout_start(cfg, actor, AutoTokenizer.from_pretrained(model))
+    records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
+    _write_rollout_start(cfg, actor, AutoTokenizer.from_pretrained(model), records)
     return actor, _rollout_model_path(cfg)
 
 
