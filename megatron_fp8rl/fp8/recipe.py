@@ -156,13 +156,22 @@ def megatron_default_delayed(fp8_format: str = "hybrid") -> DelayedScaling:
     )
 
 
-def groupwise(fp8_format: str = "e4m3") -> BlockwiseScaling:
-    """Blockwise current scaling with 1x128 weight groups (each output channel's K in groups of
-    128) as well as 1x128 activation and gradient groups. Every scale belongs to one row, so any
-    split of a weight's rows (fused q/k/v and gate/up, column-parallel TP shards) quantizes
-    exactly as its parts do alone, and a token's quantization depends on that token only: what
-    aligned rollouts need of a recipe that keeps no state. Accuracy: bench/fp8_accuracy.py."""
-    return BlockwiseScaling(fp8_format=fp8_format, weight_block=ACTIVATION_BLOCK, activation_block=ACTIVATION_BLOCK)
+def groupwise(fp8_format: str = "e4m3", group: int = ACTIVATION_BLOCK[1]) -> BlockwiseScaling:
+    """Blockwise current scaling with 1 x `group` weight groups (each output channel's K in groups
+    of 128 by default) as well as 1 x `group` activation and gradient groups. Every scale belongs
+    to one row, so any split of a weight's rows (fused q/k/v and gate/up, column-parallel TP
+    shards) quantizes exactly as its parts do alone, and a token's quantization depends on that
+    token only: what aligned rollouts need of a recipe that keeps no state. Accuracy:
+    bench/fp8_accuracy.py."""
+    return BlockwiseScaling(fp8_format=fp8_format, weight_block=(1, group), activation_block=(1, group))
+
+
+def groupwise32(fp8_format: str = "e4m3") -> BlockwiseScaling:
+    """`groupwise` with 1x32 groups (MXFP8's block length, with fp32 scales): 4x the scales of
+    1x128, and on the CPU demo's add/mul task the served model's step-0 accuracy within a point of
+    float32 where 1x128 weight groups cost ~4 points (bench/fp8_accuracy.py, README). The
+    'exact' GEMM takes any group width; the Triton kernel has 1x128 only and refuses 1x32 by name."""
+    return groupwise(fp8_format, 32)
 
 
 RECIPE_NAMES = {
@@ -172,11 +181,13 @@ RECIPE_NAMES = {
     "tensorwise": CurrentScaling,
     "blockwise": BlockwiseScaling,
     "groupwise": groupwise,
+    "groupwise32": groupwise32,
 }
 """Recipe name -> factory of the named recipe (its own values; `recipe_by_name` replaces fields)."""
-FIXED_FIELDS = {"groupwise": ("weight_block", "activation_block")}
-"""Fields a name fixes: they are what the name means (groupwise's 1x128 weight groups are what
-aligned rollouts recompute; other blocks are the blockwise recipe)."""
+FIXED_FIELDS = {"groupwise": ("weight_block", "activation_block"),
+                "groupwise32": ("weight_block", "activation_block")}
+"""Fields a name fixes: they are what the name means (groupwise's 1x128 and groupwise32's 1x32
+row groups are what aligned rollouts recompute; other blocks are the blockwise recipe)."""
 
 
 class RecipeFieldError(ValueError):

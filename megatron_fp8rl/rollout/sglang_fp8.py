@@ -16,8 +16,8 @@ Checkpoint layouts served (what convert/fp8_export.py writes; `quant_method: fp8
   fp8 does). Dynamic activations are quantized per token (row-wise), which no batch neighbour can
   change (DESIGN hazard 2).
 - block: weight E4M3 + `weight_scale_inv` [ceil(n/bn), ceil(K/bk)] per fused shard for the
-  config's `weight_block_size` [bn, bk] (128x128, or 1x128 for the groupwise recipe's aligned
-  rollouts), activations in 1x128 groups per token.
+  config's `weight_block_size` [bn, bk] (128x128, or 1x128 / 1x32 for the groupwise /
+  groupwise32 recipe's aligned rollouts), activations in 1 x bk groups per token.
 Arithmetic (DESIGN hazard 3): static per-tensor activations with a uniform weight scale (the
 aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv` then the
 trainer's own `fp8_matmul_nt` (fp8/linear.py) with the config's GEMM, by default
@@ -27,7 +27,7 @@ added in fp32, cast to the activation dtype. Other layouts (block scales, dynami
 activations, fused shards with unequal weight scales) dequantize the same FP8 values and run one
 fp32 matmul (what the trainer does for non-per-tensor operands; not batch-invariant on GPU),
 except block weights whose fused shards tile their block grid (always so for 1x128 groups): those
-run `fp8_matmul_nt` with 1x128 activation groups, the trainer's groupwise arithmetic ('exact' on
+run `fp8_matmul_nt` with 1 x bk activation groups, the trainer's groupwise arithmetic ('exact' on
 CPU: per-group exact sums; the Triton kernel on CUDA). A config naming 'triton_invariant' raises
 for every layout the kernel has no code for.
 SGLang 0.5.23 facts this relies on: the config's `weight_block_size` attribute must be square or
@@ -52,7 +52,6 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.linear import fp8_matmul_nt, resolve_gemm
 from megatron_fp8rl.fp8.quantize import (
-    ACTIVATION_BLOCK,
     Fp8Tensor,
     dequantize_blockwise,
     quantize_blockwise,
@@ -283,7 +282,9 @@ class Fp8RLLinearMethod(LinearMethodBase):
 
     def _input(self, layer, x2d: torch.Tensor):
         if self.block is not None:
-            return quantize_blockwise(x2d, E4M3, ACTIVATION_BLOCK)
+            # 1 x bk groups of a token, bk the weight blocks' K width (128x128 or 1x128: 1x128;
+            # a 1x32 weight-group checkpoint: 1x32, as the groupwise32 trainer quantizes)
+            return quantize_blockwise(x2d, E4M3, (1, self.block[1]))
         if layer.input_scale is not None:
             return quantize_with_scale_inv(x2d, layer.input_scale.max(), E4M3)
         return quantize_per_row(x2d, E4M3)

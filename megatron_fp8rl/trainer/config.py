@@ -30,9 +30,9 @@ TRAINER_FP8 = ("none", *RECIPE_NAMES)
 SHARED_SCALE_RECIPES = ("calibrated", "te_delayed", "megatron_delayed")
 """Trainer recipes aligned rollouts serve by sharing their per-tensor weight and input scales
 (served at each sync, frozen by the trainer's recompute and first forward; rollout_fp8.py)."""
-ROW_GROUP_RECIPES = ("groupwise",)
-"""Trainer recipes aligned rollouts serve by recomputing them: stateless 1x128 groups of a row,
-the same on both sides from the same weights and tokens, nothing to share."""
+ROW_GROUP_RECIPES = ("groupwise", "groupwise32")
+"""Trainer recipes aligned rollouts serve by recomputing them: stateless 1x128 (1x32) groups of a
+row, the same on both sides from the same weights and tokens, nothing to share."""
 ALIGNED_RECIPES = SHARED_SCALE_RECIPES + ROW_GROUP_RECIPES
 
 

@@ -122,17 +122,18 @@ def _block_rows(t, rows):
     return Fp8Tensor(t.data[rows], t.scale_inv[rows], "block", t.block)
 
 
-@pytest.mark.parametrize("weight_block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("weight_block", [(1, 128), (128, 128), (1, 32)])
 @pytest.mark.parametrize("m,k", [(24, 576), (1, 576), (133, 300), (70, 128)])
 def test_exact_gemm_with_group_scales_is_row_invariant(weight_block, m, k):
-    """1x128 activation groups x 1x128 or 128x128 weight blocks (K = 576 and 300: a partial last
-    group; M = 1, and M = 133 across the row chunks of the computation): each output, bit for bit
+    """1x128 activation groups x 1x128 or 128x128 weight blocks, and 1x32 x 1x32 (groupwise32)
+    (K = 576 and 300: a partial last group; M = 1, and M = 133 across the row chunks of the
+    computation): each output, bit for bit
     (zero signs included: an all -0 row of x gives +0, as 0.0 + ... does), is the oracle's sum
     rounded once to fp32; a row alone, in a batch or with the rows permuted has the same bits."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k)
     x[m // 2] = -0.0
-    a = quantize_blockwise(x, E4M3, (1, 128))
+    a = quantize_blockwise(x, E4M3, (1, weight_block[1]))
     b = quantize_blockwise(torch.randn(130, k, generator=gen) * 0.05, E4M3, weight_block)
     full = fp8_matmul_nt(a, b, "exact")
     for i, j in {(0, 0), (m // 2, 3), (m - 1, 129), (m * 3 // 4, 64)}:

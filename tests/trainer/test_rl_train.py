@@ -103,10 +103,11 @@ ALIGNED_MISMATCH_TOL = 1e-3
     pytest.param("calibrated", ["algorithm.old_policy=decoupled"], marks=pytest.mark.slow),
     ("calibrated", ["algorithm.old_policy=bypass", "algorithm.correction=none"]),
     ("groupwise", ["algorithm.old_policy=decoupled"]),
-], ids=["calibrated-decoupled", "calibrated-bypass", "groupwise-decoupled"])
+    pytest.param("groupwise32", ["algorithm.old_policy=decoupled"], marks=pytest.mark.slow),
+], ids=["calibrated-decoupled", "calibrated-bypass", "groupwise-decoupled", "groupwise32-decoupled"])
 def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path, recipe, old_policy):
     """Full FP8 (an aligned trainer recipe: calibrated's shared per-tensor scales, or groupwise's
-    recomputed 1x128 groups; aligned rollouts), plain GRPO, one mini-batch per step: the update's
+    recomputed 1x128 groups, groupwise32's 1x32; aligned rollouts), plain GRPO, one mini-batch per step: the update's
     forward runs at θ = θ_old in the rollout's arithmetic, so on every token of both steps the PPO
     ratio is exactly 1, nothing is clipped and the training forward's logprobs equal π_old bit for
     bit: the recompute's (decoupled), or the rollout's own (bypass, which skips the recompute: on
