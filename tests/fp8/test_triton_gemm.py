@@ -24,7 +24,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_per_tensor,
 )
 from megatron_fp8rl.fp8.quantizer import make_quantizers
-from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CurrentScaling
+from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CurrentScaling, groupwise32
 
 pytestmark = pytest.mark.triton
 
@@ -151,6 +151,14 @@ def test_fp8_linear_with_the_invariant_gemm_refuses_a_ragged_block_k():
         fp8_linear(x, weight, None, make_quantizers(BlockwiseScaling()), "triton_invariant")
     y = fp8_linear(x, weight, None, make_quantizers(CurrentScaling()), "triton_invariant")  # per tensor: any K
     assert y.shape == (4, 64)
+
+
+def test_groupwise32_is_refused_by_name_not_run_another_way():
+    """The kernel sums 1x128 groups only: groupwise32's 1x32 operands raise naming their blocks
+    (a fallback GEMM would silently lose batch invariance on the GPU)."""
+    x, weight = torch.randn(4, 256), torch.randn(64, 256)
+    with pytest.raises(ValueError, match=r"operands block \(1, 32\) x block \(1, 32\).*are not supported"):
+        fp8_linear(x, weight, None, make_quantizers(groupwise32()), "triton_invariant")
 
 
 @pytest.mark.triton  # marked, then the interpreter switched off again inside
