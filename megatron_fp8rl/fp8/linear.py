@@ -90,6 +90,22 @@ def resolve_gemm(gemm: str, device: torch.device) -> str:
     return gemm
 
 
+TRITON_GROUP = 128
+"""The K width of the Triton kernel's scale groups (fp8/triton_gemm.GROUP, not imported here so
+this check needs no Triton)."""
+
+
+def check_recipe_gemm(recipe: Fp8Recipe, gemm: str, device: torch.device) -> None:
+    """ValueError, at build time, naming a recipe whose layout the GEMM `gemm` resolves to on
+    `device` has no code for: 'triton_invariant' (batch_invariant on CUDA) sums 1x128 groups only,
+    so groupwise32's 1x32 groups would otherwise stop at the first forward."""
+    blocks = {getattr(recipe, name, None) for name in ("weight_block", "activation_block")} - {None}
+    if resolve_gemm(gemm, device) == "triton_invariant" and any(block[1] != TRITON_GROUP for block in blocks):
+        raise ValueError(f"FP8 gemm {gemm!r} on {device.type} is the Triton kernel, whose scale groups are "
+                         f"{TRITON_GROUP} wide; the recipe's blocks {sorted(blocks)} are not (groupwise32 runs "
+                         "aligned on the CPU tier only so far: use model.fp8=groupwise on the GPU)")
+
+
 def _backward_gemm(gemm: str, device: torch.device) -> str:
     """The backward's GEMM: invariance only matters where trainer and rollout must agree (the
     forward), so the invariant GEMMs hand the backward to the fast one of the device."""

@@ -43,6 +43,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_fp8rl.compat.versions import check_signature
 from megatron_fp8rl.fp8.linear import (
+    check_recipe_gemm,
     fp8_linear,
     load_quantizers_extra_state,
     quantizers_extra_state,
@@ -77,6 +78,8 @@ class _Fp8LinearMixin:
     def _init_fp8(self, fp8_recipe: Fp8Recipe | None, fp8_gemm: str) -> None:
         resolve_gemm(fp8_gemm, torch.device("cpu"))  # reject an unknown name at build time
         self.fp8_recipe = CalibratedDelayedScaling() if fp8_recipe is None else fp8_recipe
+        # the device the layer computes on: Megatron's GPU tier puts it on CUDA when there is one
+        check_recipe_gemm(self.fp8_recipe, fp8_gemm, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         self.fp8_gemm = fp8_gemm
         self.fp8_quantizers = make_quantizers(self.fp8_recipe, _amax_reduction_group())
         self.fp8_high_precision = False

@@ -167,3 +167,27 @@ def test_cpu_tensors_without_the_interpreter_raise_naming_the_reason(monkeypatch
     a, b = _operands("tensor", m=2, n=8, k=32)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET is not set to 1"):
         fp8_matmul_nt(a, b, "triton_invariant")
+
+
+def test_linear_knows_the_kernels_group_width():
+    """fp8/linear.py checks recipes against the kernel's group width without importing Triton."""
+    from megatron_fp8rl.fp8.linear import TRITON_GROUP
+    from megatron_fp8rl.fp8.triton_gemm import GROUP
+
+    assert TRITON_GROUP == GROUP
+
+
+def test_megatron_fp8_layer_refuses_groupwise32_where_batch_invariant_is_the_kernel(monkeypatch):
+    """At layer build, not at the first forward: with CUDA present 'batch_invariant' is the Triton
+    kernel, which has no 1x32 groups; groupwise (1x128), blockwise and per-tensor recipes build."""
+    from megatron_fp8rl.fp8.recipe import groupwise, recipe_by_name
+    from megatron_fp8rl.models.megatron_fp8_linear import _Fp8LinearMixin
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"'batch_invariant' on cuda is the Triton kernel.*\[\(1, 32\)\].*groupwise32"):
+        _Fp8LinearMixin()._init_fp8(groupwise32(), "batch_invariant")
+    for recipe in (groupwise(), BlockwiseScaling(), recipe_by_name("calibrated")):
+        _Fp8LinearMixin()._init_fp8(recipe, "batch_invariant")
+    _Fp8LinearMixin()._init_fp8(groupwise32(), "auto")  # scaled_mm / dequantized on CUDA: no kernel
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _Fp8LinearMixin()._init_fp8(groupwise32(), "batch_invariant")  # 'exact' on the CPU
