@@ -1,7 +1,8 @@
 """Our FP8 linear layer: y = x @ W^T + b with FP8 GEMMs (torch.float8_* and torch._scaled_mm).
 
 Owns: `fp8_matmul_nt`, the autograd function `Fp8LinearFunction`, the functional `fp8_linear`
-and the plain torch module `Fp8Linear`. The Megatron-facing layers (Column/RowParallelLinear
+and the plain torch module `Fp8Linear`, and `check_recipe_gemm` (a recipe the resolved GEMM has no
+code for, refused at build time). The Megatron-facing layers (Column/RowParallelLinear
 drop-ins) live in megatron_fp8rl/models/megatron_fp8_linear.py and call `fp8_linear`.
 
 Arithmetic (x [..., K] flattened to [M, K], W [N, K], dy [M, N]):
@@ -56,7 +57,8 @@ weight's with its codes' fp32 transpose (`dense_t`, what the grouped 'exact' GEM
 dequantized values (`values`, what every backward's dgrad reads). The backward dequantizes a
 block-scaled output gradient once for both of its GEMMs.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only; the
-'triton_invariant' GEMM imports fp8/triton_gemm.py, torch + triton, when first called).
+'triton_invariant' GEMM, and `check_recipe_gemm` where the GEMM resolves to it, import
+fp8/triton_gemm.py, torch + triton, when first called).
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ import torch
 
 from megatron_fp8rl.fp8.quantize import Fp8Tensor
 from megatron_fp8rl.fp8.quantizer import Fp8Quantizers, make_quantizers
-from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
+from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, Fp8Recipe
 
 EXTRA_STATE_VERSION = 1
 GEMMS = ("auto", "batch_invariant", "scaled_mm", "fp32_accumulate", "exact", "triton_invariant")
@@ -90,20 +92,26 @@ def resolve_gemm(gemm: str, device: torch.device) -> str:
     return gemm
 
 
-TRITON_GROUP = 128
-"""The K width of the Triton kernel's scale groups (fp8/triton_gemm.GROUP, not imported here so
-this check needs no Triton)."""
-
-
 def check_recipe_gemm(recipe: Fp8Recipe, gemm: str, device: torch.device) -> None:
     """ValueError, at build time, naming a recipe whose layout the GEMM `gemm` resolves to on
-    `device` has no code for: 'triton_invariant' (batch_invariant on CUDA) sums 1x128 groups only,
-    so groupwise32's 1x32 groups would otherwise stop at the first forward."""
-    blocks = {getattr(recipe, name, None) for name in ("weight_block", "activation_block")} - {None}
-    if resolve_gemm(gemm, device) == "triton_invariant" and any(block[1] != TRITON_GROUP for block in blocks):
+    `device` has no code for: 'triton_invariant' (batch_invariant on CUDA) takes the blocks
+    `_triton_blocks` lists only, so groupwise32's 1x32 groups would otherwise stop at the first
+    forward."""
+    if resolve_gemm(gemm, device) != "triton_invariant" or not isinstance(recipe, BlockwiseScaling):
+        return
+    from megatron_fp8rl.fp8.triton_gemm import GROUP  # the GEMM imports it on this device anyway
+
+    if not _triton_blocks(recipe.activation_block, recipe.weight_block, GROUP):
         raise ValueError(f"FP8 gemm {gemm!r} on {device.type} is the Triton kernel, whose scale groups are "
-                         f"{TRITON_GROUP} wide; the recipe's blocks {sorted(blocks)} are not (groupwise32 runs "
+                         f"{GROUP} wide; the recipe's blocks "
+                         f"{sorted({recipe.weight_block, recipe.activation_block})} are not (groupwise32 runs "
                          "aligned on the CPU tier only so far: use model.fp8=groupwise on the GPU)")
+
+
+def _triton_blocks(a_block: tuple[int, int], b_block: tuple[int, int], group: int) -> bool:
+    """The block layouts the Triton kernel has code for: 1 x group activations (a) with
+    group x group or 1 x group weights (b)."""
+    return a_block == (1, group) and b_block in ((group, group), (1, group))
 
 
 def _backward_gemm(gemm: str, device: torch.device) -> str:
@@ -145,7 +153,7 @@ def _triton_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     layout = (a.granularity, a.block, b.granularity, b.block)
     if layout == ("tensor", None, "tensor", None):
         return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv)
-    if layout[:3] == ("block", (1, GROUP), "block") and b.block in ((GROUP, GROUP), (1, GROUP)):
+    if layout[0] == layout[2] == "block" and _triton_blocks(a.block, b.block, GROUP):
         return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, block_scaled=True,
                                     b_row_scaled=b.block == (1, GROUP))
     raise ValueError(f"triton_invariant FP8 GEMM: operands {a.granularity} {a.block} x {b.granularity} {b.block} "

@@ -169,14 +169,6 @@ def test_cpu_tensors_without_the_interpreter_raise_naming_the_reason(monkeypatch
         fp8_matmul_nt(a, b, "triton_invariant")
 
 
-def test_linear_knows_the_kernels_group_width():
-    """fp8/linear.py checks recipes against the kernel's group width without importing Triton."""
-    from megatron_fp8rl.fp8.linear import TRITON_GROUP
-    from megatron_fp8rl.fp8.triton_gemm import GROUP
-
-    assert TRITON_GROUP == GROUP
-
-
 def test_megatron_fp8_layer_refuses_groupwise32_where_batch_invariant_is_the_kernel(monkeypatch):
     """At layer build, not at the first forward: with CUDA present 'batch_invariant' is the Triton
     kernel, which has no 1x32 groups; groupwise (1x128), blockwise and per-tensor recipes build."""
