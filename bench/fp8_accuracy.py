@@ -10,9 +10,9 @@ quantizers (the values an FP8 GEMM multiplies; its fp32 accumulation differs onl
     channel/token   weights per output channel, activations per token
     block/group     weights per 128x128 block, activations per 1x128 group (DeepSeek/SGLang)
     group/group     weights per 1x128 group (each output channel's K in groups of 128),
-                    activations per 1x128 group: the `groupwise` recipe, aligned rollouts' default
+                    activations per 1x128 group: the `groupwise` recipe
     group32/group32 1x32 groups on both sides (MXFP8's block length, with fp32 scales): the
-                    `groupwise32` recipe
+                    `groupwise32` recipe, the CPU demo's
     none            on either side: that operand stays float32 (which side costs the accuracy)
     ...@F:L         the first F and the last L decoder layers stay float32 (Megatron-LM's
                     --first-last-layers-bf16 idea), e.g. group/group@1:1

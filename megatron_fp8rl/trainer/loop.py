@@ -145,6 +145,7 @@ def eval_metrics(correct: list[bool], start: list[bool] | None) -> dict[str, flo
 def train(cfg: RunConfig, rank: int) -> dict[str, float]:
     """Run the configured RL job on this process (all ranks call it): one `rl_step` per step, with
     greedy evaluation, tensorboard logging and checkpoints; returns the summary."""
+    setup_begin = time.perf_counter()
     ctx, tokenizer, train_records, eval_prompts, eval_answers = _prepare(cfg, rank)
     try:
         with StopSignals() as stops:  # after the engine start: SGLang's handler ignores SIGTERM
@@ -159,6 +160,8 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
                 summary["eval/accuracy_start"] = eval_metrics(eval_start, None)["eval/accuracy"]
                 _log(writer, {"eval/accuracy": summary["eval/accuracy_start"]}, start)
             begin = time.perf_counter()
+            # seconds_setup: conversion, engine start, the first eval; seconds: the steps after it
+            summary["seconds_setup"] = begin - setup_begin
             bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,
                        total=cfg.train.steps)
             for step in bar:

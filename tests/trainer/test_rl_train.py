@@ -36,6 +36,7 @@ def test_train_tp1_end_to_end(tiny_run_inputs, tmp_path):
     assert len(scalars["train/mismatch_abs_logprob_diff_mean"]) == 2
     assert max(scalars["train/mismatch_abs_logprob_diff_mean"]) < 1e-3
     assert (tmp_path / "config.yaml").is_file()
+    assert summary["seconds_setup"] > 0 and summary["seconds"] > 0  # setup and steps timed apart
     # default checkpoint.every (10) > train.steps: the run still ends with a checkpoint
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002"]
     exported = load_file(Path(summary["hf_output"]) / "model.safetensors")
