@@ -5,8 +5,9 @@ Owns: the weight-sync benchmark (issue 5: speed; issue 18 item 3: speed and memo
 Weights (--weights), each served by SGLang from a checkpoint of the same layout:
 - smollm2          SmolLM2-135M-Instruct's own fp32 weights (0.54 GB): an fp32 rollout's sync.
 - qwen3-8b-layers  a synthetic Qwen3-8B-shaped stack: --layers full-width decoder layers (hidden
-                   4096, ffn 12288, 32 q / 8 kv heads of 128, the real shapes) under a 4096-token
-                   vocabulary, random bf16 weights (what a bf16 trainer's sync sends).
+                   4096, ffn 12288, 32 q / 8 kv heads of 128, the real shapes) under a --vocab
+                   vocabulary (4096; Qwen3-8B's own is 151936, untied), random bf16 weights (what
+                   a bf16 trainer's sync sends).
 --fp8 sends them as a rollout.fp8=per_tensor sync does (trainer/rollout_fp8.rollout_tensors: FP8
 E4M3 linears with an fp32 weight_scale each, the rest as is; aligned sends one more fp32 scalar,
 input_scale, per linear: the same bytes to 1e-7), served from their per-tensor FP8 export.
@@ -24,53 +25,58 @@ Printed: JSON with s/GB, `speed_vs_memcpy` (memcpy s/GB / transfer s/GB: >= 0.5 
 target), peak extra MB, `memory_vs_memcpy` (extra / the clone's extra) and the per-layer bytes.
 
 Usage: python bench/weight_sync.py --only tensor [--weights smollm2|qwen3-8b-layers] [--fp8]
-       [--layers 2] [--rounds 3] [--bucket-mb 512] [--profile tensor]
+       [--layers 2] [--vocab 4096] [--rounds 3] [--bucket-mb 512] [--profile tensor]
 The SmolLM2 folder comes from `python tools/materialize_smollm2.py .cache/smollm2`.
 
-Measured 2026-12-01 on the shared 2-core box, one invocation per row (`--cache /tmp/ws_cache`),
-load average 15-43 during the runs (speed ratios swing with it; memory does not):
+Measured 2026-12-03 on the 2-core box, quiet (load average 0.8-1.6), one invocation per row
+(`--cache /tmp/ws_cache`, --rounds 3; 2 for the 2.9 GB rows); "before" = the code before the reused
+bucket buffer and the vocabulary row chunks, run the same day from a worktree of 60d80be:
 
-| weights (GB sent)         | transfer, bucket            | s/GB | speed vs memcpy | peak extra MB (vs clone) |
-|---------------------------|-----------------------------|------|-----------------|--------------------------|
-| smollm2 fp32 (0.54)       | tensor, one call (before)   | 10.2 | 0.05x           | 425 (0.83x)              |
-| smollm2 fp32 (0.54)       | tensor, 64 MiB, per tensor  | 52.2 | 0.02x (load 43) | 538 (1.05x)              |
-| smollm2 fp32 (0.54)       | tensor, 64 MiB, flat        | 15.2 | 0.12x           | 177 (0.33x)              |
-| qwen3-8b-layers fp8 (0.45)| tensor, 512 MiB, flat       | 34.4 | 0.15x           | 470 (1.06x: one bucket)  |
-| smollm2 fp8 (0.22)        | distributed, 64 MiB         | 16.3 | 0.02x           | 70 (0.33x: one bucket)   |
-| smollm2 fp8 (0.22)        | disk, 64 MiB shards (1)     | 20.0 | 0.04x           | 3.6 (0.02x)              |
-| qwen3-8b-layers fp8 (0.45)| distributed, 512 MiB        | 31.7 | 0.03x           | 470 (1.04x: one bucket)  |
-| smollm2 fp8 (0.22)        | tensor, 64 MiB, flat        | 11.2 | 0.11x           | 113 (0.52x: the embedding) |
-| qwen3-8b-layers fp8 (0.45)| disk, one file              | 23.1 | 0.06x           | 218 (0.48x) (2)          |
-(1) measured with one safetensors file per bucket, since reverted to one file: save_file adds
-nothing (0.25 MB for the 0.45 GB file, measured alone), so shards bought no memory.
-(2) all of it the finite check's fp32 upcast of the largest FP8 tensor (4096 x 12288: 201 MB);
-the check now sums in chunks: 220 -> 20 MB for `validate_named_tensors` on these tensors, alone
-(the rows above ran before that cut).
+| weights (GB sent)                      | transfer, bucket     | s/GB before -> after | vs memcpy before -> after | peak extra MB before -> after |
+|----------------------------------------|----------------------|----------------------|---------------------------|-------------------------------|
+| smollm2 fp32 (0.54)                    | tensor, 64 MiB       | 1.17 -> 0.56         | 0.06x -> 0.13x            | 177 -> 67 (one bucket)        |
+| smollm2 fp8 (0.22)                     | tensor, 64 MiB       | 3.54 -> 2.01         | 0.02x -> 0.04x            | 113 (the embedding) -> 67     |
+| smollm2 fp8 (0.22)                     | distributed, 64 MiB  | 4.03 -> 2.77         | 0.02x -> 0.03x            | 70 -> 67                      |
+| qwen3-8b-layers fp8, vocab 151936 (2.9)| tensor, 512 MiB      | 1.81 -> 1.17         | 0.04x -> 0.05x            | 1295 -> 554 (target 730)      |
+| qwen3-8b-layers fp8, vocab 151936 (2.9)| distributed, 512 MiB | 1.85 (after)         | 0.03x (after)             | 419 (after)                   |
+memcpy ran at 0.063-0.077 s/GB. The 2.9 GB rows are 2 full-width Qwen3-8B layers (193 MB each in
+FP8) and Qwen3-8B's real untied bf16 embedding and lm_head (1245 MB each). Peak memory target
+(issue 18): one bucket + one FP8 layer = 537 + 193 = 730 MB: met by both transfers.
 
-Where the memory goes (trainer rank 0): tensor: one bucket copied into a shared-memory buffer;
-a tensor larger than the bucket goes alone, moved into shared memory (its size, transiently):
-smollm2's 113 MB embedding + one 67 MB bucket = the 177 MB measured. distributed: one flat bucket
-buffer (a lone tensor is broadcast from its own storage). disk: ~nothing (save_file writes the
-tensors' own memory). All: validation's chunked finite check, 16 MB.
-Not in these figures: the snapshot itself (`rollout_tensors` output, made before each update
-here), which a sync validates in full before sending (a bad tensor is refused before any byte):
-today the trainer holds the whole FP8 snapshot at once (9.4 GB at 8B) — issue 18 item 1.
+What changed: (1) every bucket of a sync is copied into one flat buffer (`BucketBuffer`), reused
+and released at the sync's end: a fresh shared-memory segment per bucket (allocation and first
+touch: 35-45 ms per 64 MiB, against 3 ms to refill a touched one) was 0.37 s of a 0.72 s SmolLM2
+sync. (2) An embedding or lm_head larger than a bucket goes in row chunks of a bucket each,
+loaded by `rollout/sglang_rows.load_vocab_rows` (SGLang's custom_weight_loader hook) into the rows
+its TP rank holds; before, it was moved into shared memory whole (1.25 GB at Qwen3-8B). (3) The
+finite check reads FP8 codes as bytes (`weights._fp8_finite`): 0.25 -> 0.02 s for SmolLM2's FP8
+linears.
+
+Where a sync's time goes now (cProfile, `--profile tensor`): qwen3-8b-layers fp8, 2.7 s for 2.9 GB:
+SGLang's end_weight_update 1.71 s (the CPU tier's FP8 method rebuilds the fp32 code copies its
+'exact' GEMM reads: an FP8 -> fp32 conversion of every linear, 0.29 GB/s of FP8 on this CPU;
+no such copy where another GEMM runs), SGLang loading the buckets 0.48 s, the copies into the
+buffer 0.27 s, the finite check 0.22 s (the bf16 embeddings). SmolLM2 fp32, 0.25 s for 0.54 GB:
+SGLang loading 0.15 s, copies 0.06 s, check 0.03 s. The speed target (tensor >= 0.5x memcpy) is
+missed, and out of reach of this design on the CPU: a sync reads the bytes three times (finite
+check, copy into the shared buffer, SGLang's copy into its parameters), so even at memcpy speed
+it is <= 0.33x; measured, leaving the FP8 method's rebuild aside, 0.19x at Qwen3-8B shapes.
 
 Derived for the real models (shapes from their config.json; bf16 trainer; FP8 = per_tensor or
 aligned sync: linears E4M3, embeddings and lm_head bf16; bucket 512 MiB = 0.54 GB), using the
-measured rules: tensor = one bucket + the largest tensor above a bucket; distributed = one bucket;
-disk = the chunked finite check (before the chunks: 4 bytes per element of the largest tensor,
-2.5 GB for Qwen3-8B's bf16 embedding):
+measured rules: tensor = one bucket (the embedding and lm_head go in row chunks); distributed =
+one bucket, or the largest tensor when it goes alone from its own storage (no copy); disk = the
+chunked finite check:
 
-| model       | sync GB bf16 / FP8 | layer MB bf16 / FP8 | largest tensor       | FP8 buckets | peak extra per rank: tensor / distributed / disk | target: bucket + FP8 layer |
-|-------------|--------------------|---------------------|----------------------|-------------|--------------------------------------------------|----------------------------|
-| Qwen3-8B    | 16.4 / 9.4         | 386 / 193           | embed, lm_head 1.25 GB | 18        | 1.8 GB (missed) / 0.54 GB / 16 MB                | 0.73 GB                    |
-| Qwen2.5-32B | 65.5 / 34.3        | 975 / 488           | embed, lm_head 1.56 GB | 64        | 2.1 GB (missed) / 0.54 GB / 16 MB                | 1.02 GB                    |
+| model       | sync GB bf16 / FP8 | layer MB bf16 / FP8 | largest tensor         | FP8 buckets | peak extra per rank: tensor / distributed / disk | target: bucket + FP8 layer |
+|-------------|--------------------|---------------------|------------------------|-------------|--------------------------------------------------|----------------------------|
+| Qwen3-8B    | 16.4 / 9.4         | 386 / 193           | embed, lm_head 1.25 GB | 18          | 0.54 GB / 0.54 GB / 16 MB                        | 0.73 GB                    |
+| Qwen2.5-32B | 65.5 / 34.3        | 975 / 488           | embed, lm_head 1.56 GB | 64          | 0.54 GB / 0.54 GB / 16 MB                        | 1.02 GB                    |
 
-The tensor transfer misses the memory target by the embeddings alone (a tensor larger than a
-bucket is moved into shared memory whole); its decoder layers fit. Seconds per sync at ratio r:
-GB x memcpy s/GB / r; e.g. Qwen3-8B FP8 by tensor at the measured r = 0.15 and the fastest
-memcpy measured here, 0.31 s/GB: 9.4 x 0.31 / 0.15 = 19 s (the r >= 0.5 target is missed).
+Not in these figures: the snapshot itself (`rollout_tensors` output, made before each update
+here), which a sync validates in full before sending (a bad tensor is refused before any byte).
+Seconds per sync at ratio r: GB x memcpy s/GB / r; e.g. Qwen3-8B FP8 by tensor at the measured
+1.17 s/GB: 9.4 x 1.17 = 11 s on this CPU, 6.7 s of it the FP8 method's rebuild.
 """
 from __future__ import annotations
 
@@ -137,14 +143,14 @@ def _memcpy(tensors: dict[str, torch.Tensor], rounds: int) -> tuple[float, int]:
     return seconds, _peak_extra_bytes(lambda _: [t.clone() for t in tensors.values()])
 
 
-def _qwen3_layers(folder: Path, layers: int) -> Path:
-    """A Qwen3-8B-shaped HF checkpoint of `layers` decoder layers with random bf16 weights
-    (kept in `folder` for the next invocation)."""
+def _qwen3_layers(folder: Path, layers: int, vocab: int) -> Path:
+    """A Qwen3-8B-shaped HF checkpoint of `layers` decoder layers and a `vocab`-token vocabulary
+    with random bf16 weights (kept in `folder` for the next invocation)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if (folder / "model.safetensors").is_file():
         return folder
-    config = Qwen3Config(num_hidden_layers=layers, **QWEN3_8B)
+    config = Qwen3Config(num_hidden_layers=layers, **{**QWEN3_8B, "vocab_size": vocab})
     with torch.device("meta"):
         shapes = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
     generator = torch.Generator().manual_seed(0)
@@ -215,6 +221,7 @@ def main() -> None:
     parser.add_argument("--model", default=".cache/smollm2", help="the SmolLM2 folder")
     parser.add_argument("--fp8", action="store_true", help="send what a rollout.fp8=per_tensor sync sends")
     parser.add_argument("--layers", type=int, default=2, help="qwen3-8b-layers: decoder layers")
+    parser.add_argument("--vocab", type=int, default=4096, help="qwen3-8b-layers: vocabulary (Qwen3-8B's: 151936)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=512)
     parser.add_argument("--only", default="tensor", help="comma-separated: tensor,distributed,disk")
@@ -225,7 +232,8 @@ def main() -> None:
     from megatron_fp8rl.rollout.sglang_common import SGLangConfig
 
     cache = Path(args.cache)
-    model = Path(args.model) if args.weights == "smollm2" else _qwen3_layers(cache / f"qwen3_8b_{args.layers}_layers", args.layers)
+    model = Path(args.model) if args.weights == "smollm2" else _qwen3_layers(
+        cache / (f"qwen3_8b_{args.layers}_layers" + (f"_vocab{args.vocab}" if args.vocab != 4096 else "")), args.layers, args.vocab)
     served, tensors = _served(model, args.fp8, cache)
     gigabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
     config = SGLangConfig(model_path=str(served), dtype="float32", max_total_tokens=2048,
@@ -233,6 +241,7 @@ def main() -> None:
     memcpy_s, clone_bytes = _memcpy(tensors, args.rounds)
     results = {"weights": args.weights + ("-fp8" if args.fp8 else ""), "gigabytes": gigabytes,
                "layer_mb": _layer_bytes(tensors) / 1e6, "bucket_mb": args.bucket_mb,
+               "largest_tensor_mb": max(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
                "load_average": os.getloadavg()[0], "memcpy_s_per_gb": memcpy_s / gigabytes,
                "memcpy_peak_extra_mb": clone_bytes / 1e6}
     for transfer in args.only.split(","):

@@ -45,7 +45,8 @@ from megatron_fp8rl.rollout.sglang_common import (
     parse_outputs,
     sglang_sampling,
 )
-from megatron_fp8rl.rollout.weight_transfer import buckets, flatten_bucket
+from megatron_fp8rl.rollout.sglang_rows import LOADER as ROWS_LOADER, row_key
+from megatron_fp8rl.rollout.weight_transfer import BucketBuffer, RowChunk, flatten_bucket, transfer_parts
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
 
 
@@ -61,9 +62,12 @@ class SGLangEngine:
 
     def __init__(self, config: SGLangConfig, bucket_mb: float = 512):
         """`bucket_mb`: the largest group of tensors one `update_weights_from_tensor` call
-        carries (a larger tensor goes alone): each call copies its tensors into shared memory."""
+        carries: each call copies its tensors into one shared-memory buffer of that size, reused
+        by the calls of one sync. A larger embedding or lm_head goes in row chunks of that size; any other
+        larger tensor goes alone (and the buffer grows to it)."""
         self.config = config
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self.buffer = BucketBuffer(torch.device("cpu"), shared=True)
         check_model_dir(config.model_path)
         check_fp8_checkpoint(config)
         self.expected = ExpectedWeights.from_checkpoint(config.model_path)
@@ -81,7 +85,8 @@ class SGLangEngine:
         for attempt in range(1, START_ATTEMPTS + 1):
             before = {p.pid for p in psutil.Process().children(recursive=True)}
             try:
-                self._engine = sglang_cpu.start_engine({**engine_kwargs(self.config), "custom_sigquit_handler": self._on_signal})
+                self._engine = sglang_cpu.start_engine({**engine_kwargs(self.config), "custom_sigquit_handler": self._on_signal,
+                                                        "custom_weight_loader": [ROWS_LOADER]})
                 break
             except BaseException as err:
                 self._child_pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
@@ -140,33 +145,41 @@ class SGLangEngine:
         A refused update raises `WeightUpdateError` and leaves the served weights unchanged."""
         self._check_resident("update_weights", ("weights",))
         checked = validate_named_tensors(named_tensors, self.expected)
-        parts = buckets(checked, self.bucket_bytes)
+        parts = transfer_parts(checked, self.bucket_bytes)
         self._expect_success("begin_weight_update", lambda: self._engine.begin_weight_update())
         try:
-            for index, bucket in enumerate(parts):
-                self._update_bucket(bucket, str(version) if index == len(parts) - 1 else None)
+            for index, part in enumerate(parts):
+                self._update_part(part, str(version) if index == len(parts) - 1 else None)
         finally:
+            self.buffer.release()  # nothing held between syncs
             self._expect_success("end_weight_update", lambda: self._engine.end_weight_update())
         self.weight_version = version
 
-    def _update_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+    def _update_part(self, part: list[tuple[str, torch.Tensor]] | RowChunk, version: str | None) -> None:
         """One update_weights_from_tensor call; the last (with `version`) flushes the KV cache.
-        The bucket travels as one flat buffer in shared memory (SGLang's flattened-bucket format):
+        A bucket travels as one flat buffer in shared memory (SGLang's flattened-bucket format):
         one copy of its bytes and one shared segment, where a list of tensors cost a segment each
-        (measured at SmolLM2 size, fp32: 10.2 s/GB, 0.05x memcpy, per tensor)."""
+        (measured at SmolLM2 size, fp32: 10.2 s/GB, 0.05x memcpy, per tensor). A row chunk goes
+        through the same buffer to `sglang_rows.load_vocab_rows`."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-        ordered, flat = flatten_bucket(bucket, torch.device("cpu"), shared=True)
-        metadata, offset = [], 0
-        for name, tensor in ordered:
-            nbytes = tensor.numel() * tensor.element_size()
-            metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + nbytes, nbytes))
-            offset += nbytes
+        if isinstance(part, RowChunk):
+            _, flat = flatten_bucket([(part.name, part.rows)], torch.device("cpu"), self.buffer)
+            rows = flat.view(part.rows.dtype).view(part.rows.shape)
+            payload, load_format = [(row_key(part.name, part.start), rows)], ROWS_LOADER
+        else:
+            ordered, flat = flatten_bucket(part, torch.device("cpu"), self.buffer)
+            metadata, offset = [], 0
+            for name, tensor in ordered:
+                nbytes = tensor.numel() * tensor.element_size()
+                metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + nbytes, nbytes))
+                offset += nbytes
+            payload, load_format = {"flattened_tensor": flat, "metadata": metadata}, "flattened_bucket"
         request = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})],
-            load_format="flattened_bucket",
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(payload)],
+            load_format=load_format,
             flush_cache=version is not None,
             weight_version=version,
         )

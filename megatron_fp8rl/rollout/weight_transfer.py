@@ -1,6 +1,7 @@
 """Weight transfer to an SGLang server over a process group (`rollout.weight_transfer=distributed`).
 
-Owns: splitting named tensors into buckets of bounded size, and `DistributedWeightSender`: the
+Owns: splitting named tensors into buckets of bounded size (and vocabulary tensors larger than a
+bucket into row chunks), the reused flat bucket buffer, and `DistributedWeightSender`: the
 trainer (group rank 0) broadcasts every tensor of a bucket while the server, asked over HTTP
 (`/update_weights_from_distributed`, SGLang 0.5.23), receives them into its model — gloo on CPU,
 NCCL on GPU. The HTTP calls go through a `post(path, payload)` callable so this module knows no
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -47,20 +49,91 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
     return out
 
 
+@dataclass(frozen=True)
+class RowChunk:
+    """Rows [start, start + len(rows)) of the vocabulary tensor `name` (one transfer call)."""
+
+    name: str
+    start: int
+    rows: torch.Tensor
+
+
+def is_vocab_tensor(name: str) -> bool:
+    """The HF tensors SGLang holds vocabulary-parallel (rows split over its TP ranks), which a
+    transfer may send in row chunks: the input embedding and an untied lm_head."""
+    return name.endswith("embed_tokens.weight") or name == "lm_head.weight"
+
+
+def transfer_parts(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                   ) -> list[list[tuple[str, torch.Tensor]] | RowChunk]:
+    """`buckets`, except that a vocabulary tensor larger than a bucket becomes row chunks of at
+    most `bucket_bytes` each (`RowChunk`), so no transfer buffer outgrows a bucket for it: at
+    8B-32B the embedding and lm_head (1.2-1.6 GB in bf16) are the only tensors above a 512 MiB
+    bucket. Any other tensor larger than a bucket still goes alone."""
+    parts: list = []
+    small: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= bucket_bytes or not is_vocab_tensor(name) or tensor.dim() != 2:
+            small.append((name, tensor))
+            continue
+        parts.extend(buckets(small, bucket_bytes))
+        small = []
+        per_chunk = max(1, bucket_bytes // (tensor.shape[1] * tensor.element_size()))
+        parts.extend(RowChunk(name, start, tensor[start:start + per_chunk])
+                     for start in range(0, tensor.shape[0], per_chunk))
+    parts.extend(buckets(small, bucket_bytes))
+    return parts
+
+
+class BucketBuffer:
+    """One flat byte buffer that every bucket of a sync is copied into, released at its end.
+    A fresh shared-memory segment per bucket cost more than the rest of the transfer: allocating
+    and first touching 64 MiB of shared memory took 35-45 ms, refilling a touched one 3 ms
+    (measured on the 2-core box), and the fresh SmolLM2 segments were 0.37 s of a 0.72 s sync.
+    It grows to the largest bucket asked for (a tensor that goes alone can make it larger than a
+    bucket). Kept between syncs it saved another 0.13 s/GB at SmolLM2 size (0.46 vs 0.59), not
+    worth a bucket of memory held through the train phase (GPU memory with NCCL)."""
+
+    def __init__(self, device: torch.device, shared: bool = False):
+        """`shared`: a CPU buffer in shared memory, so that handing it to another process (SGLang's
+        scheduler, through torch's multiprocessing reductions) copies nothing more."""
+        self.device, self.shared = device, shared
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` bytes of the buffer (uint8), grown first when smaller."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None
+            if self.shared:
+                storage = torch.UntypedStorage._new_shared(nbytes)  # allocated in place: no copy
+                self._buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+            else:
+                self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffer[:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now (0 before the first bucket and after `release`)."""
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def release(self) -> None:
+        self._buffer = None
+
+
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device,
-                   shared: bool = False) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+                   buffer: BucketBuffer | None = None) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
     """The bucket's tensors ordered widest element first, and their bytes back to back in that
     order as one uint8 tensor on `device` (SGLang's flattened-bucket layout). The order keeps every
     tensor's byte offset a multiple of its element size, which the receiver requires (an fp32
-    scale after an odd-sized FP8 weight would not be). A lone tensor already on `device` is sent
-    from its own storage, without a copy. `shared`: the buffer is allocated in shared memory (CPU),
-    so handing it to another process copies nothing more."""
+    scale after an odd-sized FP8 weight would not be). `buffer`: the bytes go into it (its first
+    bytes, valid until the next bucket), else into a new tensor. A lone tensor already on
+    `device` is sent from its own storage, without a copy, unless the buffer is a shared one."""
     ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: same order within a width
-    if len(ordered) == 1 and ordered[0][1].device == device:
+    if (buffer is None or not buffer.shared) and len(ordered) == 1 and ordered[0][1].device == device:
         return ordered, _bytes(ordered[0][1])
-    flat = torch.empty(sum(t.numel() * t.element_size() for _, t in ordered), dtype=torch.uint8, device=device)
-    if shared:
-        flat.share_memory_()
+    total = sum(t.numel() * t.element_size() for _, t in ordered)
+    flat = buffer.take(total) if buffer is not None else torch.empty(total, dtype=torch.uint8, device=device)
     offset = 0
     for _, tensor in ordered:
         data = _bytes(tensor)
@@ -127,6 +200,7 @@ class DistributedWeightSender:
         self.post, self.bucket_bytes = post, bucket_bytes
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.buffer = BucketBuffer(self.device)
         address = local_address_towards(server_host)
         port = free_port(address)
         join = _Background(lambda: self.post("/init_weights_update_group", {
@@ -145,10 +219,7 @@ class DistributedWeightSender:
         """Broadcast every tensor, bucket by bucket; the server loads them and reports `version`."""
         self.post("/begin_weight_update", {})
         try:
-            parts = buckets(named_tensors, self.bucket_bytes)
-            for index, bucket in enumerate(parts):
-                where = f"bucket {index + 1} of {len(parts)} ({len(bucket)} tensors from {bucket[0][0]!r})"
-                self._send_bucket(bucket, version if index == len(parts) - 1 else None, where)
+            self._send_all(named_tensors, version)
         except BaseException:
             # The error that stopped the transfer is the one to report; a dead server cannot
             # end the update, and a live one must not keep its update lock.
@@ -157,8 +228,17 @@ class DistributedWeightSender:
             raise
         self.post("/end_weight_update", {})
 
+    def _send_all(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        try:
+            parts = buckets(named_tensors, self.bucket_bytes)
+            for index, bucket in enumerate(parts):
+                where = f"bucket {index + 1} of {len(parts)} ({len(bucket)} tensors from {bucket[0][0]!r})"
+                self._send_bucket(bucket, version if index == len(parts) - 1 else None, where)
+        finally:
+            self.buffer.release()  # nothing held between syncs
+
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None, where: str) -> None:
-        ordered, flat = flatten_bucket(bucket, self.device)
+        ordered, flat = flatten_bucket(bucket, self.device, self.buffer)
         payload = {
             "names": [name for name, _ in ordered],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in ordered],

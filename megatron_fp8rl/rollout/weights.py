@@ -109,13 +109,30 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value is finite, chunk by chunk in one summing pass: a sum is finite when
     all its terms are, unless finite terms overflow it, so a non-finite sum is settled
     elementwise. On CPU this was ~20x faster than an isfinite mask, which took 0.36 s of a 0.54 s
-    SmolLM2 weight sync."""
+    SmolLM2 weight sync. FP8 is checked on its bytes (`_fp8_finite`)."""
     flat = tensor.reshape(-1)
+    if tensor.dtype in _FP8_NON_FINITE:
+        return _fp8_finite(flat)
     return all(_chunk_finite(flat[start:start + FINITE_CHUNK]) for start in range(0, flat.numel(), FINITE_CHUNK))
 
 
 def _chunk_finite(chunk: torch.Tensor) -> bool:
     return bool(torch.isfinite(chunk.sum(dtype=torch.float32))) or bool(torch.isfinite(chunk.float()).all())
+
+
+_FP8_NON_FINITE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+"""FP8 format -> the bits that are all ones in its non-finite codes and in no finite one: E4M3FN
+has only NaN, S.1111.111; E5M2 has inf and NaN, S.11111.xx."""
+
+
+def _fp8_finite(flat: torch.Tensor) -> bool:
+    """No code of `flat` (1-D FP8) has its format's non-finite bits all set: one masking pass and
+    one max over the bytes, no conversion. Summing FP8 in fp32 converts every code first, 9x slower
+    (0.18 vs 0.02 s for a 4096 x 12288 E4M3 weight on the 2-core box)."""
+    bits = _FP8_NON_FINITE[flat.dtype]
+    codes = flat.view(torch.uint8)
+    return all(int((codes[start:start + FINITE_CHUNK] & bits).max()) != bits
+               for start in range(0, codes.numel(), FINITE_CHUNK))
 
 
 def _closest(name: str, expected: ExpectedWeights, k: int = 3) -> list[str]:

@@ -5,6 +5,7 @@ import torch
 
 from megatron_fp8rl.rollout.engine import SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
+from megatron_fp8rl.rollout.weight_transfer import RowChunk, transfer_parts
 from tests.helpers import hf_reference as hf
 from tests.helpers.rollout import needs_sglang, sglang_config
 from tests.helpers.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
@@ -91,6 +92,24 @@ def test_update_weights_then_greedy_equals_transformers_with_new_weights(engine,
     hf.load_state_dict(hf_model, new_weights)
     _check_greedy_matches(engine, hf_model, version=1)
     assert engine.weight_version == 1
+
+
+def test_vocab_tensors_larger_than_a_bucket_go_in_row_chunks(engine, hf_model, qwen3_dir, monkeypatch):
+    """With a 10 KiB bucket the 32 KiB embedding and lm_head each go as 4 row chunks (40 + 40 + 40 +
+    8 rows) through sglang_rows.load_vocab_rows; the served model then equals transformers with
+    the new weights, greedy tokens and logprobs."""
+    new_weights = random_state_dict(qwen3_dir, seed=13)
+    monkeypatch.setattr(engine, "bucket_bytes", 40 * 64 * 4)  # 40 rows
+    chunks = [part for part in transfer_parts(new_weights.items(), engine.bucket_bytes) if isinstance(part, RowChunk)]
+    assert sorted((c.name, c.start, len(c.rows)) for c in chunks) == sorted(
+        (name, start, min(40, 128 - start)) for name in ("lm_head.weight", "model.embed_tokens.weight")
+        for start in range(0, 128, 40))
+    engine.update_weights(new_weights.items(), version=2)
+    hf.load_state_dict(hf_model, new_weights)
+    _check_greedy_matches(engine, hf_model, version=2)
+    for sample in engine.generate(PROMPTS, SamplingParams(temperature=0.7, max_new_tokens=8)):
+        want = hf.token_logprobs(hf_model, sample.prompt_token_ids, sample.token_ids)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_release_and_resume_are_no_ops_on_cpu(engine):

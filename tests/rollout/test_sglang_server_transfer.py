@@ -8,7 +8,7 @@ import torch
 from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.sglang_server import SGLangServer
-from megatron_fp8rl.rollout.weight_transfer import buckets
+from megatron_fp8rl.rollout.weight_transfer import BucketBuffer, RowChunk, buckets, flatten_bucket, transfer_parts
 from tests.helpers import hf_reference as hf
 from tests.helpers.rollout import needs_sglang, sglang_config
 from tests.helpers.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
@@ -22,6 +22,34 @@ def test_buckets_bound_their_size_and_keep_order():
     parts = buckets(tensors, bucket_bytes=40 * 4)
     assert [name for part in parts for name, _ in part] == [name for name, _ in tensors]
     assert [[name for name, _ in part] for part in parts] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+
+
+def test_transfer_parts_split_only_vocab_tensors_larger_than_a_bucket():
+    tensors = [("model.embed_tokens.weight", torch.arange(50.0).reshape(10, 5)),
+               ("model.layers.0.mlp.up_proj.weight", torch.zeros(10, 5)), ("model.norm.weight", torch.zeros(5)),
+               ("lm_head.weight", torch.zeros(2, 5))]
+    parts = transfer_parts(tensors, bucket_bytes=3 * 5 * 4)  # three rows
+    chunks = [part for part in parts if isinstance(part, RowChunk)]
+    assert [(c.name, c.start, len(c.rows)) for c in chunks] == [("model.embed_tokens.weight", s, min(3, 10 - s))
+                                                                 for s in (0, 3, 6, 9)]
+    assert torch.equal(torch.cat([c.rows for c in chunks]), tensors[0][1])
+    # a non-vocabulary tensor above a bucket goes alone, whole; small ones share buckets in order
+    assert [[n for n, _ in part] for part in parts[4:]] == [
+        ["model.layers.0.mlp.up_proj.weight"], ["model.norm.weight", "lm_head.weight"]]
+
+
+def test_bucket_buffer_is_reused_and_grows():
+    buffer = BucketBuffer(torch.device("cpu"), shared=True)
+    first = buffer.take(100)
+    assert first.is_shared() and buffer.nbytes == 100
+    assert buffer.take(60).data_ptr() == first.data_ptr()  # the same memory, not a new segment
+    ordered, flat = flatten_bucket([("a", torch.ones(3, dtype=torch.float8_e4m3fn)), ("b", torch.full((2,), 2.0))],
+                                   torch.device("cpu"), buffer)
+    assert [n for n, _ in ordered] == ["b", "a"] and flat.data_ptr() == first.data_ptr()
+    assert torch.equal(flat[:8].view(torch.float32), torch.full((2,), 2.0))
+    assert buffer.take(200).numel() == 200 and buffer.nbytes == 200
+    buffer.release()
+    assert buffer.nbytes == 0
 
 
 def test_unanswered_server_url_is_a_clear_error(tiny_dirs):

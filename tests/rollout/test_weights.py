@@ -62,6 +62,25 @@ def test_non_finite_value_in_the_last_chunk_is_found(qwen3_dir, monkeypatch, dty
         validate_named_tensors([("lm_head.weight", tensor)], expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_finite_check_agrees_with_ml_dtypes_on_every_code(monkeypatch, dtype):
+    """The FP8 check reads bits, not values: each of the 256 codes, alone in the last chunk of
+    a tensor, is judged as ml_dtypes' own float8 type judges it (E4M3FN: 2 NaN codes; E5M2: 6
+    NaN and 2 inf codes)."""
+    import ml_dtypes
+    import numpy as np
+
+    monkeypatch.setattr(weights, "FINITE_CHUNK", 1000)
+    oracle = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.float8_e5m2: ml_dtypes.float8_e5m2}[dtype]
+    codes = np.arange(256, dtype=np.uint8)
+    finite = np.isfinite(codes.view(oracle).astype(np.float32))
+    assert (~finite).sum() == (2 if dtype == torch.float8_e4m3fn else 8)
+    for code in range(256):
+        tensor = torch.zeros(2500, dtype=torch.uint8)
+        tensor[-1] = code
+        assert weights._all_finite(tensor.view(dtype)) == bool(finite[code]), f"code {code:#04x}"
+
+
 def test_finite_values_whose_sum_overflows_are_accepted(qwen3_dir):
     expected = ExpectedWeights.from_checkpoint(qwen3_dir)
     huge = torch.full((128, 64), 3e38)  # finite, but their float32 sum is inf
