@@ -15,7 +15,7 @@ import shutil
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -246,20 +246,24 @@ class MegatronActor:
                                "(weights_for_rollout makes the engine's start checkpoint and every sync)")
         return self._served
 
-    def weights_for_rollout(self, input_bounds: dict[str, dict[str, float]] | None = None
-                            ) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights_for_rollout(self, consume: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+                            input_bounds: dict[str, dict[str, float]] | None = None) -> None:
         """All ranks (collective): the current weights as the rollout engine takes them, quantized
         for rollout.fp8 (rollout_fp8.rollout_tensors), as a lazy stream gathered in memory at any
-        TP/PP (`hf_tensors_in_memory`): global rank 0 gets the tensors, and every other rank must
-        iterate its (empty) stream to the end at the same time, sending its shards. The engine's
+        TP/PP (`hf_tensors_in_memory`), handed to `consume` on global rank 0; every other rank
+        iterates its (empty) stream to the end at the same time, sending its shards. The engine's
         start checkpoint and every weight sync are this stream. Aligned mode with shared scales:
         the trainer's FP8 scales go with them and become the served ones of the next recompute and
         first mini-batch. `input_bounds` (HF module -> {"input": bound}, `calibration_forward`):
         static input scales to send too (the start checkpoint of rollout.fp8=per_tensor static)."""
         shared = shares_scales(self.rollout_fp8, self.model_cfg.fp8)
         self._served = self.aligned_scales() if shared else None
-        return rollout_tensors(self.hf_tensors_in_memory(), int(self.hf_config["num_hidden_layers"]),
-                               self.rollout_fp8, self._served, self.model_cfg.fp8, input_bounds)
+        tensors = rollout_tensors(self.hf_tensors_in_memory(), int(self.hf_config["num_hidden_layers"]),
+                                  self.rollout_fp8, self._served, self.model_cfg.fp8, input_bounds)
+        if dist.get_rank() == 0:
+            consume(tensors)
+        for _ in tensors:  # other ranks: their shards go to rank 0 as the stream is iterated
+            pass
 
     def calibration_forward(self, prompts: list[list[int]]) -> dict[str, dict[str, float]]:
         """All ranks (collective): no-grad forwards of this actor over `prompts` (token ids, one

@@ -96,13 +96,10 @@ def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer,
     bounds = None
     if needs_calibration(rollout.fp8, rollout.activation_scheme, cfg.model.fp8):
         bounds = actor.calibration_forward([prompt_token_ids(r, tokenizer) for r in train_records[:16]])
-    tensors = actor.weights_for_rollout(bounds if static_per_tensor(rollout.fp8, rollout.activation_scheme) else None)
-    if dist.get_rank() == 0:
-        write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg), rollout.fp8,
-                                 rollout.activation_scheme, cfg.model.fp8)
-    else:
-        for _ in tensors:  # this rank's shards go to rank 0 as its stream is iterated
-            pass
+    actor.weights_for_rollout(
+        lambda tensors: write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg), rollout.fp8,
+                                                 rollout.activation_scheme, cfg.model.fp8),
+        bounds if static_per_tensor(rollout.fp8, rollout.activation_scheme) else None)
     dist.barrier()
 
 

@@ -180,14 +180,12 @@ def _colocated_engine(ctx: StepContext) -> bool:
 def sync_weights(ctx: StepContext, version: int) -> None:
     """Trainer weights -> rollout engine as weight `version` (MegatronActor.weights_for_rollout:
     quantized for rollout.fp8, with the trainer's FP8 scales in aligned mode)."""
-    tensors = ctx.actor.weights_for_rollout()
-    if _colocated_engine(ctx):
-        ctx.engine.resume_memory(["weights"])  # back before they are written; no-op unless released
-    if ctx.engine is not None:
+    def send(tensors):
+        if _colocated_engine(ctx):
+            ctx.engine.resume_memory(["weights"])  # back before they are written; no-op unless released
         ctx.engine.update_weights(tensors, version=version)
-    else:
-        for _ in tensors:  # this rank's shards go to rank 0 as its stream is iterated
-            pass
+
+    ctx.actor.weights_for_rollout(send)
     if _colocated_engine(ctx):
         ctx.engine.resume_memory()  # KV cache and CUDA graphs
     dist.barrier()
