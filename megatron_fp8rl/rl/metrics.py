@@ -151,3 +151,14 @@ def eval_verdict(summary: dict, alpha: float = 0.01) -> str:
     if p >= alpha:
         return f"verdict: no significant change at p < {alpha:g}: {change}"
     return f"verdict: {'the model learned' if gained > lost else 'the model got worse'}: {change}"
+
+
+def garbled_flags(text: str, token_ids: list[int], ngram: int = 3, repeats: int = 3) -> tuple[bool, bool]:
+    """Whether one response looks garbled (the stability study's rate): (no number: its text has
+    no digit, so no numeric answer can be read from it; repetitive: some `ngram` of its tokens
+    occurs `repeats` times or more, the loop a collapsing policy falls into)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(token_ids) - ngram + 1):
+        key = tuple(token_ids[i:i + ngram])
+        counts[key] = counts.get(key, 0) + 1
+    return not any(c.isdigit() for c in text), max(counts.values(), default=0) >= repeats

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -130,6 +131,24 @@ def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> 
     return list(correct[0])
 
 
+EVAL_RECORD = "eval_correct.json"
+"""Per-problem greedy correctness of every eval, {step: [0/1 per held-out problem]}, in the run
+directory: what a paired test between two runs on the same problems reads (the stability study)."""
+
+
+def _record_eval(cfg: RunConfig, rank: int, step: int, correct: list[bool]) -> None:
+    """Rank 0: add one eval's per-problem results to the run's EVAL_RECORD (rewritten whole,
+    through a temporary file, so a crash leaves the previous record)."""
+    if rank != 0:
+        return
+    path = Path(cfg.run_dir) / EVAL_RECORD
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record[str(step)] = [int(c) for c in correct]
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record))
+    partial.replace(path)
+
+
 def eval_metrics(correct: list[bool], start: list[bool] | None) -> dict[str, float]:
     """eval/accuracy, and against the first eval of the run (same problems): eval/gained,
     eval/lost and the paired McNemar p-value eval/mcnemar_p."""
@@ -153,18 +172,28 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
             summary = dict(resumed)  # a resumed run's summary continues the interrupted one's
             eval_start = summary.pop("eval_start", None)  # per-problem correctness of the first eval
             if cfg.train.eval_every and not start:
+                eval_begin = time.perf_counter()
                 eval_start = evaluate(ctx, eval_prompts, eval_answers)
+                _record_eval(cfg, rank, start, eval_start)
                 summary["eval/accuracy_start"] = eval_metrics(eval_start, None)["eval/accuracy"]
+                ctx.setup_timings["time/setup_eval_s"] = time.perf_counter() - eval_begin
                 _log(writer, {"eval/accuracy": summary["eval/accuracy_start"]}, start)
             begin = time.perf_counter()
             # seconds_setup: conversion, engine start, the first eval; seconds: the steps after it
             summary["seconds_setup"] = begin - setup_begin
+            _log(writer, ctx.setup_timings, start)
+            summary.update({k.replace("time/", "seconds_").removesuffix("_s"): v
+                            for k, v in ctx.setup_timings.items()})
             bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,
                        total=cfg.train.steps)
             for step in bar:
                 metrics = rl_step(ctx, prompts, step)
                 if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-                    metrics.update(eval_metrics(evaluate(ctx, eval_prompts, eval_answers), eval_start))
+                    eval_begin = time.perf_counter()
+                    correct = evaluate(ctx, eval_prompts, eval_answers)
+                    _record_eval(cfg, rank, step, correct)
+                    metrics.update(eval_metrics(correct, eval_start))
+                    metrics["time/eval_s"] = time.perf_counter() - eval_begin
                 _log(writer, metrics, step)
                 bar.set_postfix_str(bar_text(metrics))
                 summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
@@ -209,7 +238,9 @@ def prompt_batches(sampler: PromptSampler, tokenizer) -> Prompts:
 def _finish(ctx: StepContext, rank: int, writer, summary: dict) -> dict:
     """After the last step: the HF export, then (rank 0) the tensorboard writer closed and
     summary.json written; returns the summary."""
+    begin = time.perf_counter()
     summary["hf_output"] = _export_hf(ctx, rank)
+    summary["seconds_export"] = time.perf_counter() - begin
     if writer is not None:
         writer.close()
         (Path(ctx.cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -243,17 +274,30 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
     if rank == 0:
         claim_run_dir(run_dir, provenance)
         save_config(cfg, run_dir / "config.yaml")
-    convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
-    actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
-                          Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
-                          rollout_fp8=cfg.rollout.fp8)
+    timings: dict[str, float] = {}
+    with _phase(timings, "convert"):
+        convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
+    with _phase(timings, "actor"):
+        actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
+                              Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
+                              rollout_fp8=cfg.rollout.fp8)
     if cfg.rollout.fp8 != "none":
-        _write_rollout_start(cfg, actor, tokenizer, train_records)
+        with _phase(timings, "rollout_checkpoint"):
+            _write_rollout_start(cfg, actor, tokenizer, train_records)
     engine = None
-    if rank == 0:
-        engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
+    with _phase(timings, "engine"):
+        if rank == 0:
+            engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
     return StepContext(cfg=cfg, actor=actor, engine=engine, reward_fn=load_reward_fn(cfg.data.reward),
-                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), setup_timings=timings)
+
+
+@contextmanager
+def _phase(timings: dict[str, float], name: str):
+    """Seconds of one setup phase into `timings` as time/setup_<name>_s (logged at the start step)."""
+    begin = time.perf_counter()
+    yield
+    timings[f"time/setup_{name}_s"] = time.perf_counter() - begin
 
 
 BAR_PHASES = ("rollout", "recompute", "train", "sync")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_fp8rl.data.rewards import RewardFn, score
 from megatron_fp8rl.rl.advantages import grpo_advantages, rloo_advantages
+from megatron_fp8rl.rl.metrics import garbled_flags
 from megatron_fp8rl.rl.sampling import select_informative_groups, shape_overlong_rewards
 from megatron_fp8rl.rollout.engine import RolloutEngine, RolloutSample, SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor
@@ -41,6 +42,9 @@ class StepContext:
     decode: Callable[[list[int]], str]
     """Token ids -> text for the reward (the tokenizer's decode)."""
     timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of the current step's phases (time/<phase>_s)."""
+    setup_timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of the run's set-up phases (time/setup_<phase>_s), logged at the start step."""
 
 
 @contextmanager
@@ -108,8 +112,12 @@ def _rollout_until_full(ctx: StepContext, prompts: Prompts, step: int):
             break
     kept_samples, kept_rewards = kept_samples[:cfg.data.prompts_per_step], kept_rewards[:cfg.data.prompts_per_step]
     raw = torch.cat(seen)
+    generated = reward_stats.pop("samples")
     metrics = {"reward/mean": float(raw.mean()), "reward/accuracy": float((raw > 0).float().mean()),
                "sampling/groups_dropped": float(dropped), "sampling/groups_kept": float(len(kept_samples)),
+               # every sample of the step's rounds, the dropped groups' too
+               "response/no_number_frac": reward_stats.pop("no_number") / generated,
+               "response/repetitive_frac": reward_stats.pop("repetitive") / generated,
                **{f"reward/{k}": v if isinstance(v, str) else float(v) for k, v in reward_stats.items()}}
     flat = [s for group in kept_samples for s in group]
     lengths = torch.tensor([len(s.token_ids) for s in flat], dtype=torch.float32)
@@ -139,8 +147,10 @@ def _generate_and_score(ctx: StepContext, prompts, answers, seed: int | None):
     texts = [ctx.decode(s.token_ids) for s in samples]
     refs = [answers[s.prompt_index] for s in samples]
     rewards, stats = score(ctx.reward_fn, texts, refs, timeout_s=ctx.cfg.data.reward_timeout_s)
+    flags = [garbled_flags(text, s.token_ids) for text, s in zip(texts, samples)]
     counts = {"errors": stats.errors, "timeouts": stats.timeouts, "invalid": stats.invalid,
-              "first_error": stats.first_error}
+              "first_error": stats.first_error, "samples": len(samples),
+              "no_number": sum(no_number for no_number, _ in flags), "repetitive": sum(rep for _, rep in flags)}
     return samples, torch.tensor(rewards, dtype=torch.float32), counts
 
 

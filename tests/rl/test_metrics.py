@@ -5,7 +5,7 @@ import pytest
 
 import torch
 
-from megatron_fp8rl.rl.metrics import clip_metrics, entropy_metrics, eval_verdict, mismatch_metrics
+from megatron_fp8rl.rl.metrics import clip_metrics, entropy_metrics, eval_verdict, garbled_flags, mismatch_metrics
 
 
 def test_clip_metrics_hand_case():
@@ -82,3 +82,15 @@ def test_eval_verdict_follows_the_paired_test_not_the_accuracy_gap():
     assert eval_verdict(noise).startswith("verdict: no significant change at p < 0.01: ")
     assert eval_verdict(noise, alpha=0.1).startswith("verdict: the model learned")
     assert "no verdict" in eval_verdict({"eval/accuracy": 0.2})
+
+
+@pytest.mark.parametrize("text,ids,expected", [
+    ("The answer is 42.", [5, 6, 7, 8, 9], (False, False)),
+    ("the the the", [1, 1, 1], (True, False)),  # one 3-gram, seen once
+    ("1 1 1 1 1", [3, 3, 3, 3, 3], (False, True)),  # (3, 3, 3) three times
+    ("ab ab ab", [4, 5, 4, 5, 4, 5], (True, False)),  # (4, 5, 4) and (5, 4, 5): twice each
+    ("ab ab ab a", [4, 5, 4, 5, 4, 5, 4], (True, True)),  # (4, 5, 4) three times
+    ("", [], (True, False)),
+])
+def test_garbled_flags(text, ids, expected):
+    assert garbled_flags(text, ids) == expected

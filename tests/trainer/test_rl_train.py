@@ -24,7 +24,8 @@ def test_train_tp1_end_to_end(tiny_run_inputs, tmp_path):
     for tag in ("reward/mean", "train/pg_loss", "train/grad_norm", "train/entropy",
                 "train/mismatch_abs_logprob_diff_mean", "train/mismatch_k3_kl", "train/tis_clip_frac",
                 "time/rollout_s", "time/train_s", "time/sync_s", "eval/accuracy", "eval/gained",
-                "eval/lost", "eval/mcnemar_p"):
+                "eval/lost", "eval/mcnemar_p", "time/eval_s", "time/setup_convert_s", "time/setup_actor_s",
+                "time/setup_engine_s", "time/setup_eval_s", "response/no_number_frac", "response/repetitive_frac"):
         assert tag in scalars, f"{tag} not logged; have {sorted(scalars)}"
     # the paired counts compare the final eval with the first one on the same 8 problems
     accuracy = scalars["eval/accuracy"]
@@ -37,6 +38,11 @@ def test_train_tp1_end_to_end(tiny_run_inputs, tmp_path):
     assert max(scalars["train/mismatch_abs_logprob_diff_mean"]) < 1e-3
     assert (tmp_path / "config.yaml").is_file()
     assert summary["seconds_setup"] > 0 and summary["seconds"] > 0  # setup and steps timed apart
+    phases = sum(summary[f"seconds_setup_{phase}"] for phase in ("convert", "actor", "engine", "eval"))
+    assert 0 < phases <= summary["seconds_setup"]
+    record = json.loads((tmp_path / "eval_correct.json").read_text())
+    assert sorted(record) == ["0", "2"] and [sum(record[k]) / 8 for k in ("0", "2")] == accuracy
+    assert all(0 <= v <= 1 for v in scalars["response/no_number_frac"] + scalars["response/repetitive_frac"])
     # default checkpoint.every (10) > train.steps: the run still ends with a checkpoint
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002"]
     exported = load_file(Path(summary["hf_output"]) / "model.safetensors")
