@@ -119,8 +119,9 @@ class MegatronActor:
         self.optimizer = build_optimizer(self.model, train_cfg)
         self.model_cfg, self.train_cfg, self.objective = model_cfg, train_cfg, objective
         self.rollout_fp8 = rollout_fp8
-        self.calibrator = ClipCalibrator(objective.algo) if objective.algo.clip_calibration == "shadow" else None
-        """Calibrated Clipping's state (algorithm.clip_calibration=shadow); None otherwise."""
+        self.calibrator = ClipCalibrator(objective.algo) if objective.algo.clip_calibration != "none" else None
+        """Calibrated Clipping's state (algorithm.clip_calibration=shadow, or monitor: measured, not
+        applied); None otherwise."""
         self._served: dict | None = None
         """Shared-scale aligned FP8 rollouts: the scales the engine serves now (`_served_scales`)."""
 

@@ -15,6 +15,10 @@ and one shadow forward serves both. The bounds a calibration yields hold from th
 (the calibrating step trains with the bounds in force) until the next calibration. Bounds before
 the first calibration are the configured ones, passed on as None so that the loss is bit-identical
 to clip_calibration=none.
+
+clip_calibration=monitor runs the same shadow forwards and reports the same diagnostic (the paper's
+share of negative-advantage tokens the FP8 ratio clips and the shadow's does not, `clip/neg_overclip_
+before`) but keeps the configured bounds: the measurement of a plain-FP8 run (the stability study).
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ class ClipCalibrator:
         self.configured = ClipBounds.from_epsilons(algo.clip_low, algo.clip_high)
         self.limits = ClipLimits(algo.clip_calibration_low_min, algo.clip_calibration_low_max,
                                  algo.clip_calibration_high_min, algo.clip_calibration_high_max)
+        self.applies = algo.clip_calibration == "shadow"
+        """Whether calibrations set the bounds (shadow) or are only reported (monitor)."""
         self.calibrated: ClipBounds | None = None
         """The bounds in force after the last successful calibration; None before the first."""
         self.calibrations = self.skipped = 0
@@ -78,7 +84,9 @@ class ClipCalibrator:
         if self.last.skipped:
             self.skipped += 1
         else:
-            self.calibrated, self.calibrations = self.last.bounds, self.calibrations + 1
+            self.calibrations += 1
+            if self.applies:
+                self.calibrated = self.last.bounds
         out = {"clip/calibrated": 1.0, "clip/calibration_values": float(ratio.numel())}
         for when, diagnostic in (("before", self.last.before), ("after", self.last.after)):
             out.update({f"clip/{name}_{when}": value for name, value in diagnostic.items()})

@@ -45,7 +45,7 @@ def check_rollout_fp8(rollout_fp8: str, trainer_fp8: str) -> None:
     _check(rollout_fp8 != "aligned" or trainer_fp8 in ALIGNED_RECIPES, "model.fp8",
            f"rollout.fp8=aligned serves the trainer's own FP8 quantization: model.fp8 must be one of "
            f"{ALIGNED_RECIPES}, found {trainer_fp8!r}{blockwise}")
-CLIP_CALIBRATIONS = ("none", "shadow")
+CLIP_CALIBRATIONS = ("none", "shadow", "monitor")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
 ROLLOUT_DTYPES = tuple(dtype for dtype in SGLANG_DTYPES if dtype != "auto")
@@ -265,8 +265,9 @@ class AlgorithmConfig:
     """Calibrated Clipping (the paper's method, rl/calibrated_clipping.py; one of CLIP_CALIBRATIONS):
     none (the plain interval [1 − clip_low, 1 + clip_high]) or shadow (every clip_calibration_every
     steps a high-precision shadow forward of the same batch sets the FP8 clip bounds: L matches the
-    shadow's share of clipped negative-advantage tokens, H its positive/negative update balance).
-    Needs an FP8 trainer (model.fp8)."""
+    shadow's share of clipped negative-advantage tokens, H its positive/negative update balance),
+    or monitor (the same shadow forwards and diagnostic, logged as clip/*, the configured bounds
+    kept: what plain FP8 clips that high precision would not). Needs an FP8 trainer (model.fp8)."""
     clip_calibration_every: int = 20
     """Steps between calibrations (the first step calibrates); the last bounds hold in between."""
     clip_calibration_level: str = "auto"
@@ -446,10 +447,10 @@ class RunConfig:
     def __post_init__(self):
         _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")
         _check(self.algorithm.clip_calibration == "none" or self.model.fp8 != "none",
-               "algorithm.clip_calibration", "shadow calibrates FP8 ratios against a high-precision "
-               "shadow: it needs an FP8 trainer (model.fp8), which is none here")
+               "algorithm.clip_calibration", f"{self.algorithm.clip_calibration} compares FP8 ratios with "
+               "a high-precision shadow's: it needs an FP8 trainer (model.fp8), which is none here")
         _check(self.algorithm.clip_calibration == "none" or self.model.fp8_backend == "ours",
-               "algorithm.clip_calibration", "shadow's high-precision forward is wired for our FP8 linear "
+               "algorithm.clip_calibration", "the shadow's high-precision forward is wired for our FP8 linear "
                "(model.fp8_backend=ours), not for TE's layers (te)")
         _check(self.rollout.fp8 in ("blockwise", "per_tensor") or self.rollout.dtype == self.model.dtype,
                "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "

@@ -187,8 +187,9 @@ def test_calibrated_bounds_replace_the_clip_interval(options):
 
 
 def test_clip_calibration_config_is_checked():
-    with pytest.raises(ValueError, match="algorithm.clip_calibration: shadow calibrates FP8 ratios"):
-        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration=shadow"])
+    for mode in ("shadow", "monitor"):
+        with pytest.raises(ValueError, match=f"algorithm.clip_calibration: {mode} compares FP8 ratios"):
+            load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.clip_calibration={mode}"])
     with pytest.raises(ValueError, match="algorithm.clip_calibration_level: token calibration cannot match"):
         load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.name=gspo",
                                       "algorithm.clip_calibration_level=token"])

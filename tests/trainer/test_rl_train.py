@@ -225,6 +225,22 @@ def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
     assert state["clip_calibration"]["calibrated"] == pytest.approx([low[-1], high[-1]])
 
 
+@pytest.mark.multiprocess
+def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_path):
+    """algorithm.clip_calibration=monitor (the stability study's plain-FP8 arms): the shadow
+    forwards run and the diagnostic is logged every step, the configured bounds stay in force."""
+    run_train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "algorithm.clip_calibration=monitor",
+              "algorithm.clip_calibration_every=1", "train.mini_batches=2", "train.micro_batch_size=2",
+              "train.eval_every=0", "algorithm.dynamic_sampling=false")
+    scalars = tb_scalars(tmp_path)
+    assert scalars["clip/calibrations"] == [1.0, 2.0] and scalars["clip/calibrated"] == [1.0, 1.0]
+    assert scalars["clip/low"] == [pytest.approx(0.8)] * 2 and scalars["clip/high"] == [pytest.approx(1.28)] * 2
+    assert 1 <= len(scalars["clip/neg_overclip_before"]) <= 2
+    assert all(0 <= v <= 1 for v in scalars["clip/neg_overclip_before"])
+    state = json.loads(next((tmp_path / "checkpoints").rglob("trainer_state.json")).read_text())
+    assert state["clip_calibration"]["calibrated"] is None and state["clip_calibration"]["calibrations"] == 2
+
+
 @pytest.mark.slow  # ~110 s; bf16 Megatron training stays in the default tier via test_parallel_layouts
 @pytest.mark.multiprocess
 def test_train_bf16_checkpoints_resumes_and_exports(tiny_run_inputs, tmp_path):
