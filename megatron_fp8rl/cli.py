@@ -8,7 +8,7 @@ Subcommands:
   convert      HF safetensors <-> Megatron torch_dist
   export-fp8   an FP8 HF checkpoint SGLang serves
   report       PNG plots and a markdown report from run directories' tensorboard logs
-  stability    the FP8 stability study: one RL job under several precision settings, then report
+  stability    the FP8 stability study: one RL job under several precision arms and seeds, then report
 Every command first passes the version gate (compat/versions.py; override MEGATRON_FP8RL_ALLOW_UNTESTED).
 A user error (bad config value, missing or damaged input, refused output) prints as one line,
 `error: ...`, exit status 2; `--debug` shows the traceback instead.
@@ -145,7 +145,7 @@ def _add_report_commands(commands) -> None:
     report.set_defaults(func=_report)
     from megatron_fp8rl.report.study import add_study_arguments
 
-    stability = commands.add_parser("stability", help="the FP8 stability study (issue 8) and its report")
+    stability = commands.add_parser("stability", help="the FP8 stability study (issue 23) and its report")
     add_study_arguments(stability)
     stability.set_defaults(func=_stability)
 

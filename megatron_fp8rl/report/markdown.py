@@ -206,12 +206,13 @@ def _unique_names(runs: list[RunLogs]) -> None:
 
 
 def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "Training report",
-                 preamble: str = "") -> Path:
+                 preamble: str = "", names: list[str] | None = None) -> Path:
     """Read the runs, write every figure with data and `report.md` into `out_dir`; returns the
-    markdown path. `preamble` (markdown) goes under the title."""
+    markdown path. `preamble` (markdown) goes under the title; `names` label the runs (default:
+    their directory names)."""
     if not run_dirs:
         raise ValueError("write_report needs at least one run directory")
-    runs = [load_run(d) for d in run_dirs]
+    runs = [load_run(d, name) for d, name in zip(run_dirs, names or [None] * len(run_dirs))]
     _unique_names(runs)
     out_dir = Path(out_dir)
     plots = write_plots(runs, out_dir)

@@ -1,27 +1,33 @@
-"""The FP8 stability study (issue 8): one RL job under several precision settings, then a report.
+"""The FP8 stability study v2 (issue 23): one RL job under several precision arms and seeds, then
+the report (report/study_report.py).
 
-The same seed, data and sizes for every setting; each is a `megatron-fp8rl train` run under
-torchrun into its own directory, one after another.
+Owns: the arms table, the study's run sizes (full and --quick), running every arm x seed not
+finished yet one after another, and its command line (`megatron-fp8rl stability`, `python
+bench/stability.py`). Must not import: trainer code (runs are subprocesses; the report reads
+their logs).
 
-Owns: the settings table, the study's run sizes (full and --quick), running the settings one
-after another, and its command line (`megatron-fp8rl stability`, `python bench/stability.py`).
-Must not import: trainer code (runs are subprocesses; the report reads their logs).
-
-"bf16" in a setting name means the high-precision dtype: model.dtype / rollout.dtype as the run
-sets them, float32 unless `--set model.dtype=bfloat16 --set rollout.dtype=bfloat16` (Megatron bf16
-mixed precision; real on both tiers).
+The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
+trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (old and current
+logprobs both FP8: tensorwise per-tensor current scaling, 128x128 blockwise, our calibrated recipe
+with aligned rollouts), each plain and with Calibrated Clipping (`_cc`), and our noise-aware
+clipping (old_policy=bypass: the clip interval widened by the measured train/rollout noise) on
+tensorwise, the arm the paper finds worst. Every FP8-trainer arm runs the shadow forwards every
+step: the plain arms with clip_calibration=monitor (measured, bounds unchanged), the `_cc` arms
+with shadow (applied), so the paper's diagnostic comes from every FP8 arm. The FP8 arms keep
+float32 outside the FP8 GEMMs (model.dtype): aligned rollouts are bit-identical only there
+(README), and the shadow is then a float32 forward.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass
-from itertools import product
 from pathlib import Path
 
 import psutil
@@ -31,52 +37,52 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Setting:
-    """One precision setting: a name (its run directory) and its `train` overrides."""
+    """One arm: a name (its directory), its `train` overrides, and whether it is a key arm (trained
+    under every --seeds seed; the others under the first only)."""
 
     name: str
     overrides: tuple[str, ...]
+    key: bool = False
 
 
-# (name, overrides) of trainer x rollout precision; every one runs with each CORRECTIONS entry.
-# Add a row (or a correction) here to extend the study; --add does it from the command line.
-PRECISIONS = (
-    ("bf16_bf16", ("model.fp8=none", "rollout.fp8=none")),
-    ("bf16_fp8block", ("model.fp8=none", "rollout.fp8=blockwise")),
-    ("tedelayed_fp8block", ("model.fp8=te_delayed", "rollout.fp8=blockwise")),
-    ("calibrated_aligned", ("model.fp8=calibrated", "rollout.fp8=aligned")),
+BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16")
+MONITOR = ("algorithm.clip_calibration=monitor", "algorithm.clip_calibration_every=1")
+CALIBRATED = ("algorithm.clip_calibration=shadow", "algorithm.clip_calibration_every=1")
+UNIFIED = {"tensorwise": ("model.fp8=tensorwise", "rollout.fp8=per_tensor"),
+           "blockwise": ("model.fp8=blockwise", "rollout.fp8=blockwise"),
+           "aligned": ("model.fp8=calibrated", "rollout.fp8=aligned")}
+REFERENCE = "bf16"
+"""The arm every other is compared with (paired tests on the same held-out problems and seed)."""
+ARMS = (
+    Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none"), key=True),
+    Setting("bf16_fp8block_tis", ("model.dtype=bfloat16", "model.fp8=none", "rollout.fp8=blockwise",
+                                  "algorithm.correction=tis")),
+    *(Setting(name, (*recipe, *MONITOR), key=name == "tensorwise") for name, recipe in UNIFIED.items()),
+    *(Setting(f"{name}_cc", (*recipe, *CALIBRATED), key=name == "tensorwise") for name, recipe in UNIFIED.items()),
+    Setting("tensorwise_noise", (*UNIFIED["tensorwise"], *MONITOR, "algorithm.old_policy=bypass",
+                                 "algorithm.correction=none")),
 )
-CORRECTIONS = (("none", ("algorithm.correction=none",)), ("tis", ("algorithm.correction=tis",)))
-# Run only when named in --settings: the noise-aware options (rl/noise.py) on the aligned setting.
-OPTIONAL = (
-    ("calibrated_aligned_bypass", ("model.fp8=calibrated", "rollout.fp8=aligned",
-                                   "algorithm.old_policy=bypass", "algorithm.correction=none")),
-    ("calibrated_aligned_noisetis", ("model.fp8=calibrated", "rollout.fp8=aligned",
-                                     "algorithm.correction=tis", "algorithm.noise_correction=true")),
-)
 
-# The job every setting runs: 1-digit and 2-digit by 1-digit multiplication (the CPU demo's task
-# until issue 19 moved it to add/mul), two optimizer steps per RL step, at lr 2e-5. Dynamic sampling is
-# off so every setting trains on the same prompt stream (it draws extra prompts depending on
-# rewards, which differ between settings). Sized for <= 60 minutes for all 8 settings on a quiet
-# 2-core CPU with SmolLM2-135M. Measured (issue #8 note): 270 s for a float32 setting, ~405 s with
-# blockwise FP8 rollouts, 397-485 s with an FP8 trainer; the 8 settings 3,339 s.
-FULL = {"train.steps": 6, "data.prompts_per_step": 4, "rollout.n_samples": 8,
-        "rollout.max_new_tokens": 24, "train.micro_batch_size": 8, "data.eval_size": 64,
-        "train.eval_every": 3}
+# The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
+# sampling temperature, with two mini-batches per step (so the clip bounds act on a moved policy)
+# and dynamic sampling off (every arm trains on the same prompt stream; it draws extra prompts
+# depending on rewards, which differ between arms).
+FULL = {"train.steps": 30, "data.prompts_per_step": 4, "rollout.n_samples": 8,
+        "rollout.max_new_tokens": 16, "train.micro_batch_size": 16, "train.mini_batches": 2,
+        "data.eval_size": 100, "train.eval_every": 10}
 QUICK = {"train.steps": 2, "data.prompts_per_step": 2, "rollout.n_samples": 4,
-         "rollout.max_new_tokens": 6, "train.micro_batch_size": 4, "data.eval_size": 8,
-         "train.eval_every": 2}
+         "rollout.max_new_tokens": 6, "train.micro_batch_size": 4, "train.mini_batches": 2,
+         "data.eval_size": 8, "train.eval_every": 2}
 COMMON = {"data.train": "builtin:arithmetic", "data.eval": "builtin:arithmetic",
-          "data.arithmetic_ops": "[mul,mul2]", "data.train_size": "1000",
-          "algorithm.dynamic_sampling": "false",
-          "train.lr": "2e-5", "train.mini_batches": "2", "train.seed": "1234",
-          "checkpoint.every": "0"}
+          "data.arithmetic_ops": "[add,mul]", "data.train_size": "1000", "rollout.temperature": "0.7",
+          "algorithm.dynamic_sampling": "false", "algorithm.agg_mode": "seq-mean-token-mean",
+          "train.lr": "3e-5", "checkpoint.every": "0"}
+SEEDS = (1, 2)
 
 
 def study_settings() -> list[Setting]:
-    """The issue's settings: every precision with every correction, named `<precision>_<corr>`."""
-    return [Setting(f"{precision}_{corr}", (*p_over, *c_over))
-            for (precision, p_over), (corr, c_over) in product(PRECISIONS, CORRECTIONS)]
+    """The issue's arms, in report order."""
+    return list(ARMS)
 
 
 def parse_added_setting(spec: str) -> Setting:
@@ -89,10 +95,10 @@ def parse_added_setting(spec: str) -> Setting:
 
 
 def select_settings(names: str | None, added: list[Setting]) -> list[Setting]:
-    """The settings named in a comma list; when None, the issue's settings plus added ones."""
+    """The settings named in a comma list; when None, the issue's arms plus added ones."""
     if names is None:
         return [*study_settings(), *added]
-    table = {s.name: s for s in [*study_settings(), *(Setting(n, o) for n, o in OPTIONAL), *added]}
+    table = {s.name: s for s in [*study_settings(), *added]}
     chosen = [n for n in names.split(",") if n]
     unknown = [n for n in chosen if n not in table]
     if unknown:
@@ -100,11 +106,17 @@ def select_settings(names: str | None, added: list[Setting]) -> list[Setting]:
     return [table[n] for n in chosen]
 
 
+def runs_of(settings: list[Setting], seeds: tuple[int, ...]) -> list[tuple[Setting, int]]:
+    """(arm, seed) pairs to train: key arms under every seed, the others under the first; seed by
+    seed, so a study cut short has every arm's first seed."""
+    return [(s, seed) for i, seed in enumerate(seeds) for s in settings if s.key or i == 0]
+
+
 def train_command(setting: Setting, run_dir: Path, model: Path, sizes: dict, extra: list[str],
-                  nproc: int) -> list[str]:
-    """The torchrun command of one setting (later overrides win: sizes, setting, --set)."""
+                  nproc: int, seed: int) -> list[str]:
+    """The torchrun command of one arm and seed (later overrides win: sizes, seed, arm, --set)."""
     from megatron_fp8rl.compat.tcp_store import free_port  # torch: not at `--help` time
-    overrides = [f"{k}={v}" for k, v in {**COMMON, **sizes}.items()]
+    overrides = [f"{k}={v}" for k, v in {**COMMON, **sizes, "train.seed": seed}.items()]
     overrides += [f"model.hf_path={model}", f"run_dir={run_dir}", *setting.overrides, *extra]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -154,22 +166,21 @@ def _kill_started(marker: str, seen: dict[int, float]) -> None:
             continue
 
 
-def _print_timings(timings: dict[str, float]) -> None:
-    baseline_name = next(iter(timings))
-    print(f"\n{'setting':<28} {'wall s':>8}  vs {baseline_name}")
-    for name, seconds in timings.items():
-        print(f"{name:<28} {seconds:8.1f}  {seconds / timings[baseline_name]:.2f}x")
+PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
+            "float32 outside the FP8 GEMMs, the bf16 arms run Megatron bf16 mixed precision and bf16 "
+            "SGLang. Key arms ran every seed, the others the first. Command: `megatron-fp8rl "
+            "stability` (bench/stability.py); per-run plots in runs/.")
 
 
-PREAMBLE = ("The same RL job (seed, prompts, sizes) under each precision setting. `bf16` is the "
-            "high-precision dtype: model.dtype/rollout.dtype of the runs (float32 unless set to "
-            "bfloat16). Setting names: `<trainer>_<rollout>_<correction>`.")
+def run_dir_of(study_dir: Path, setting: Setting, seed: int) -> Path:
+    return study_dir / setting.name / f"seed{seed}"
 
 
 def run_study(args: argparse.Namespace) -> int:
-    """Train every selected setting not finished yet (summary.json present), then the report."""
+    """Train every selected arm x seed not finished yet (summary.json present), then the report."""
     try:
         settings = select_settings(args.settings, args.add)
+        seeds = tuple(int(s) for s in args.seeds.split(",") if s)
         model = _model_path(Path(args.model))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -179,35 +190,46 @@ def run_study(args: argparse.Namespace) -> int:
         sizes["train.steps"] = args.steps
     study_dir = Path(args.study_dir)
     study_dir.mkdir(parents=True, exist_ok=True)
-    timings, failed = {}, []
-    for setting in settings:
-        run_dir = study_dir / setting.name
+    timings_path = study_dir / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    failed = []
+    plan = runs_of(settings, seeds)
+    for number, (setting, seed) in enumerate(plan, 1):
+        run_dir, label = run_dir_of(study_dir, setting, seed), f"{setting.name}/seed{seed}"
         if (run_dir / "summary.json").is_file() and not args.rerun:
-            print(f"[stability] {setting.name}: finished earlier, kept (--rerun trains it again)")
+            print(f"[stability] {number}/{len(plan)} {label}: finished earlier, kept (--rerun trains it again)")
             continue
-        run_dir.mkdir(parents=True, exist_ok=True)
-        command = train_command(setting, run_dir, model, sizes, args.set, args.nproc)
-        print(f"[stability] {setting.name}: {' '.join(setting.overrides)}", flush=True)
+        if run_dir.exists():  # an interrupted or failed attempt: start it over
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        command = train_command(setting, run_dir, model, sizes, args.set, args.nproc, seed)
+        print(f"[stability] {number}/{len(plan)} {label}: {' '.join(setting.overrides)}", flush=True)
         start = time.perf_counter()
         code = run_setting(command, run_dir / "train.log", args.timeout)
-        timings[setting.name] = time.perf_counter() - start
-        print(f"[stability] {setting.name}: exit {code} after {timings[setting.name]:.0f} s", flush=True)
+        seconds = time.perf_counter() - start
+        print(f"[stability] {label}: exit {code} after {seconds:.0f} s", flush=True)
         if code != 0:
-            failed.append(setting.name)
+            failed.append(label)
             print((run_dir / "train.log").read_text()[-3000:], file=sys.stderr)
-    if timings:
-        _print_timings(timings)
-        (study_dir / "timings.json").write_text(json.dumps(timings, indent=2))
-    finished = [study_dir / s.name for s in settings if (study_dir / s.name / "summary.json").is_file()]
-    if finished:
-        from megatron_fp8rl.report.markdown import write_report  # matplotlib: only when reporting
+        else:
+            timings[label] = seconds
+            timings_path.write_text(json.dumps(timings, indent=2))
+    finished = {s.name: {str(seed): run_dir_of(study_dir, s, seed) for seed in seeds
+                         if (run_dir_of(study_dir, s, seed) / "summary.json").is_file()} for s in settings}
+    if any(finished.values()):
+        # matplotlib: only when reporting
+        from megatron_fp8rl.report.markdown import write_report
+        from megatron_fp8rl.report.study_report import write_study_report
 
-        report = write_report(finished, study_dir / "report", title="FP8 stability study",
-                              preamble=PREAMBLE)
+        report = write_study_report(finished, study_dir / "report", REFERENCE, PREAMBLE,
+                                    {k: v for k, v in timings.items() if k.split("/")[0] in finished})
+        first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]
+        names = [f"{arm}" for arm, dirs in finished.items() if dirs]
+        write_report(first, study_dir / "report" / "runs", title="FP8 stability study: each arm's first seed",
+                     preamble="Per-run plots of every finished arm's first seed.", names=names)
         print(f"[stability] report: {report}")
     if failed:
-        print(f"[stability] failed settings: {failed} (logs: <study_dir>/<setting>/train.log)",
-              file=sys.stderr)
+        print(f"[stability] failed runs: {failed} (logs: <study_dir>/<arm>/seed<k>/train.log)", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -224,12 +246,15 @@ def _model_path(model: Path) -> Path:
 
 
 def add_study_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--study-dir", default="runs/stability", help="one run directory per setting, and report/")
+    parser.add_argument("--study-dir", default="runs/stability",
+                        help="<arm>/seed<k>/ run directories, timings.json, report/")
     parser.add_argument("--model", default=str(REPO / ".cache" / "smollm2"),
                         help="HF checkpoint (default: SmolLM2-135M-Instruct, materialized on first use)")
     parser.add_argument("--settings", default=None,
-                        help="comma list of setting names (default: the issue's 8 and --add ones); "
-                             "names: " + ", ".join([s.name for s in study_settings()] + [n for n, _ in OPTIONAL]))
+                        help="comma list of arm names (default: the issue's arms and --add ones); "
+                             "names: " + ", ".join(s.name for s in study_settings()))
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
+                        help="comma list of train.seed values: key arms run each, the others the first")
     parser.add_argument("--add", type=parse_added_setting, action="append", default=[],
                         help="extra setting NAME:key=value[,key=value...] (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -238,7 +263,7 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests")
     parser.add_argument("--rerun", action="store_true", help="train settings that already finished again")
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per setting")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per setting before it is killed")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
 
 
 def main(argv: list[str] | None = None) -> int:

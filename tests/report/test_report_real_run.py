@@ -1,6 +1,7 @@
 """The stability study's runner and the report on a short real run: a tiny random Llama, 2 RL
-steps, the real SGLang engine and Megatron actor, two settings (float32 trainer; calibrated FP8
-trainer). Every plot, the per-layer FP8 heatmap of the FP8 run, and the markdown come out.
+steps, the real SGLang engine and Megatron actor, two arms (a float32 trainer; the study's
+tensorwise FP8 arm, whose shadow forwards measure the diagnostic every step). The study report,
+every per-run plot, the per-layer FP8 heatmap of the FP8 run, and the markdown come out.
 
 Starts torchrun twice, one after the other: 1 worker each, which starts one SGLang engine
 (2 more processes).
@@ -15,7 +16,7 @@ from megatron_fp8rl.report.study import main as stability_main
 from tests.helpers.png import assert_png
 from tests.helpers.tiny_models import build_tiny_rl_inputs
 
-SETTINGS = ("bf16_bf16_none", "fp8trainer")
+SETTINGS = ("exact", "tensorwise")
 FIGURES = ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions")
 
 
@@ -26,7 +27,7 @@ def study(tmp_path_factory):
     code = stability_main([
         "--quick", "--study-dir", str(root / "study"), "--model", str(model),
         "--settings", ",".join(SETTINGS),
-        "--add", "fp8trainer:model.fp8=calibrated,rollout.fp8=none,algorithm.correction=tis",
+        "--add", "exact:model.fp8=none,rollout.fp8=none", "--seeds", "1",
         "--set", f"data.train={prompts}", "--set", f"data.eval={prompts}",
         "--set", "data.reward=tests.trainer.reward_fns:first_word_even", "--set", "train.lr=1e-3",
         "--timeout", "900"])
@@ -43,23 +44,28 @@ def _scalars(run_dir):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_study_writes_every_plot_and_the_report(study):
-    out = study / "report"
+    out = study / "report" / "runs"
     written = {p.stem for p in out.glob("*.png")}
-    assert {*FIGURES, "fp8_fp8trainer"} <= written  # (more when the objective logs noise/ tags)
-    assert "fp8_bf16_bf16_none" not in written  # no heatmap for the float32 trainer
+    assert {*FIGURES, "fp8_tensorwise", "calibrated_clipping"} <= written  # (more with noise/ tags)
+    assert "fp8_exact" not in written  # no heatmap for the float32 trainer
     for name in written:
         assert_png(out / f"{name}.png")
     text = (out / "report.md").read_text()
     assert set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)) == {f"{n}.png" for n in written}
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
-    assert "calibrated" in rows["fp8trainer"] and "none" in rows["bf16_bf16_none"]
-    assert set(json.loads((study / "timings.json").read_text())) == set(SETTINGS)
+    assert "tensorwise" in rows["tensorwise"] and "none" in rows["exact"]
+    assert set(json.loads((study / "timings.json").read_text())) == {f"{s}/seed1" for s in SETTINGS}
+    study_text = (study / "report" / "report.md").read_text()
+    rows = {line.split("|")[1].strip(): line.split("|") for line in study_text.splitlines() if line.startswith("| ")}
+    assert rows["exact"][3].strip() == "n/a" and rows["tensorwise"][3].strip().endswith("%")  # the diagnostic
+    for name in ("curves", "accuracy"):
+        assert_png(study / "report" / f"{name}.png")
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_real_run_logs_the_ratio_quantiles_the_report_plots(study):
-    exact, fp8 = _scalars(study / "bf16_bf16_none"), _scalars(study / "fp8trainer")
+    exact, fp8 = _scalars(study / "exact" / "seed1"), _scalars(study / "tensorwise" / "seed1")
     for scalars in (exact, fp8):
         assert len(scalars["train/mismatch_ratio_p50"]) == 2
         for step in range(2):

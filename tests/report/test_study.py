@@ -6,7 +6,7 @@ import pytest
 
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.report.study import (
-    COMMON, FULL, OPTIONAL, QUICK, Setting, parse_added_setting, select_settings, study_settings,
+    COMMON, FULL, QUICK, SEEDS, Setting, parse_added_setting, runs_of, select_settings, study_settings,
     train_command,
 )
 from megatron_fp8rl.trainer.config import RunConfig
@@ -16,33 +16,49 @@ def _config(overrides):
     return load_config(RunConfig, None, [f"{k}={v}" for k, v in COMMON.items()] + list(overrides))
 
 
-def test_the_issue_settings():
-    names = [s.name for s in study_settings()]
-    assert names == [f"{p}_{c}" for p in ("bf16_bf16", "bf16_fp8block", "tedelayed_fp8block",
-                                          "calibrated_aligned") for c in ("none", "tis")]
+def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
-    te = by_name["tedelayed_fp8block_tis"]
-    assert (te.model.fp8, te.rollout.fp8, te.algorithm.correction) == ("te_delayed", "blockwise", "tis")
-    aligned = by_name["calibrated_aligned_none"]
-    assert (aligned.model.fp8, aligned.rollout.fp8, aligned.algorithm.correction) == ("calibrated", "aligned", "none")
-    assert not aligned.algorithm.dynamic_sampling  # same prompt stream in every setting
+    assert list(by_name) == ["bf16", "bf16_fp8block_tis", "tensorwise", "blockwise", "aligned",
+                             "tensorwise_cc", "blockwise_cc", "aligned_cc", "tensorwise_noise"]
+    bf16 = by_name["bf16"]
+    assert (bf16.model.dtype, bf16.rollout.dtype, bf16.model.fp8, bf16.rollout.fp8) == ("bfloat16",) * 2 + ("none",) * 2
+    tis = by_name["bf16_fp8block_tis"]
+    assert (tis.model.dtype, tis.rollout.fp8, tis.algorithm.correction) == ("bfloat16", "blockwise", "tis")
+    for name, (trainer, rollout) in {"tensorwise": ("tensorwise", "per_tensor"), "blockwise": ("blockwise", "blockwise"),
+                                     "aligned": ("calibrated", "aligned")}.items():
+        plain, cc = by_name[name], by_name[f"{name}_cc"]
+        assert (plain.model.fp8, plain.rollout.fp8) == (cc.model.fp8, cc.rollout.fp8) == (trainer, rollout)
+        # the diagnostic every step on every FP8 arm: measured (monitor) or applied (shadow)
+        assert (plain.algorithm.clip_calibration, cc.algorithm.clip_calibration) == ("monitor", "shadow")
+        assert plain.algorithm.clip_calibration_every == cc.algorithm.clip_calibration_every == 1
+    noise = by_name["tensorwise_noise"]
+    assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
+    assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm
 
 
 @pytest.mark.parametrize("sizes", [FULL, QUICK], ids=["full", "quick"])
 def test_sizes_and_all_settings_are_valid_config(sizes):
-    for overrides in [s.overrides for s in study_settings()] + [o for _, o in OPTIONAL]:
-        cfg = _config([f"{k}={v}" for k, v in sizes.items()] + ["model.hf_path=m", *overrides])
-        # a batch that splits into whole micro-batches: no all-padding micro-batch, whose NaN
+    for setting in study_settings():
+        cfg = _config([f"{k}={v}" for k, v in sizes.items()] + ["model.hf_path=m", *setting.overrides])
+        assert cfg.train.mini_batches >= 2  # the clip bounds act on a moved policy (issue 23)
+        # mini-batches that split into whole micro-batches: no all-padding micro-batch, whose NaN
         # ratio quantiles would drop the step from the logs
-        assert cfg.data.prompts_per_step * cfg.rollout.n_samples % cfg.train.micro_batch_size == 0
+        assert cfg.data.prompts_per_step * cfg.rollout.n_samples % (cfg.train.micro_batch_size * cfg.train.mini_batches) == 0
+    assert FULL["train.steps"] >= 30
+
+
+def test_key_arms_run_every_seed_first_seeds_first():
+    arms = [Setting("a", (), key=True), Setting("b", ()), Setting("c", (), key=True)]
+    assert [(s.name, seed) for s, seed in runs_of(arms, (1, 2))] == [("a", 1), ("b", 1), ("c", 1), ("a", 2), ("c", 2)]
+    key = [s.name for s in study_settings() if s.key]
+    assert "bf16" in key and len(key) >= 3 and len(SEEDS) >= 2
 
 
 def test_selection_and_added_settings():
     added = parse_added_setting("mine:model.fp8=calibrated,algorithm.correction=mis")
     assert added == Setting("mine", ("model.fp8=calibrated", "algorithm.correction=mis"))
-    assert [s.name for s in select_settings("mine,bf16_bf16_tis", [added])] == ["mine", "bf16_bf16_tis"]
-    assert len(select_settings(None, [added])) == 9
-    assert select_settings(OPTIONAL[0][0], [])[0].name == OPTIONAL[0][0]
+    assert [s.name for s in select_settings("mine,bf16", [added])] == ["mine", "bf16"]
+    assert len(select_settings(None, [added])) == len(study_settings()) + 1
     with pytest.raises(ValueError, match="unknown \\['nope'\\]"):
         select_settings("nope", [])
     for bad in ("no-colon", ":model.fp8=none", "x:model.fp8"):
@@ -52,10 +68,11 @@ def test_selection_and_added_settings():
 
 def test_train_command_puts_user_overrides_last(tmp_path):
     setting = Setting("s", ("algorithm.correction=tis",))
-    command = train_command(setting, tmp_path / "s", tmp_path / "m", QUICK, ["algorithm.correction=mis"], 1)
+    command = train_command(setting, tmp_path / "s", tmp_path / "m", QUICK, ["algorithm.correction=mis"], 1, seed=7)
     assert command[command.index("--module") + 1:command.index("--module") + 3] == ["megatron_fp8rl.cli", "train"]
     assert command.index("algorithm.correction=tis") < command.index("algorithm.correction=mis")
-    assert _config(command[command.index("train") + 1:]).algorithm.correction == "mis"
+    cfg = _config(command[command.index("train") + 1:])
+    assert cfg.algorithm.correction == "mis" and cfg.train.seed == 7
 
 
 @pytest.mark.multiprocess

@@ -1,0 +1,291 @@
+"""The stability study's report (issue 23): every arm over its seeds, against the bf16 arm.
+
+Owns: the per-run figures (`run_figures`), their spread over seeds (`arm_summary`), the paired
+held-out test against the reference arm (`paired_against`), the verdict (`verdict_lines`) and
+`write_study_report` (report.md, curves.png, accuracy.png). Reads run directories only (tensorboard
+logs, config.yaml, eval_correct.json); must not import trainer code.
+
+Per run, from its tensorboard scalars (steps without a value skipped):
+- overclip   the paper's diagnostic, clip/neg_overclip_before: the share of negative-advantage
+             tokens of the calibrated mini-batch that the arm's FP8 ratio clips and the
+             high-precision shadow's ratio does not (algorithm.clip_calibration=monitor or shadow;
+             runs without an FP8 trainer have no FP8 ratio: n/a, zero by construction)
+- clip_low   train/clip_frac_low: the share of response tokens the lower bound silenced
+- entropy    train/entropy at the first step and the mean of the last `TAIL` steps; drift = their ratio
+- no_number / repetitive / length / reward   the means of the last `TAIL` steps
+- accuracy   held-out greedy accuracy at the last eval (start: the first eval), from
+             eval_correct.json (tensorboard's eval/accuracy without it)
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatron_fp8rl.report.logs import RunLogs, load_run
+from megatron_fp8rl.rl.metrics import paired_eval_change
+
+TAIL = 5
+"""Steps at the end a 'final' figure averages (one step is too noisy at 4 prompts a step)."""
+OVERCLIP_THRESHOLD = 0.01
+"""An arm over-clips when its median (over seeds) mean diagnostic exceeds this share."""
+ENTROPY_SURGE = 1.5
+"""Entropy drift (last steps over the first) that counts as a surge."""
+GARBLE_RISE = 0.10
+"""Rise of the garbled share (no number, or repetitive) over the reference arm's that counts."""
+
+
+@dataclass
+class RunFigures:
+    arm: str
+    seed: str
+    values: dict[str, float]
+    """The module docstring's figures (NaN where a run has none)."""
+    curves: dict[str, tuple[np.ndarray, np.ndarray]]
+    """tag -> (steps, values) of the plotted series."""
+    eval_final: list[int] | None
+    """Per-problem correctness of the last eval (eval_correct.json), for the paired tests."""
+
+
+CURVES = {"clip/neg_overclip_before": "A<0 tokens over-clipped vs the shadow (diagnostic)",
+          "train/entropy": "policy entropy (nats/token)",
+          "response/no_number_frac": "garbled: responses without a number",
+          "response/repetitive_frac": "garbled: responses with a repeated 3-gram",
+          "train/clip_frac_low": "tokens clipped at the lower bound",
+          "reward/mean": "rollout reward"}
+
+
+def _series(run: RunLogs, tag: str) -> tuple[np.ndarray, np.ndarray] | None:
+    series = run.get(tag)
+    if series is None:
+        return None
+    keep = np.isfinite(series.values)
+    return (series.steps[keep], series.values[keep]) if keep.any() else None
+
+
+def _tail_mean(run: RunLogs, tag: str) -> float:
+    found = _series(run, tag)
+    return float(found[1][-TAIL:].mean()) if found else math.nan
+
+
+def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
+    """The figures of one finished run (`run_dir` holds tb/ and eval_correct.json)."""
+    run = load_run(run_dir, name=f"{arm}/{seed}")
+    entropy, overclip = _series(run, "train/entropy"), _series(run, "clip/neg_overclip_before")
+    accuracy = _series(run, "eval/accuracy")
+    values = {
+        "overclip": float(overclip[1].mean()) if overclip else math.nan,
+        "overclip_max": float(overclip[1].max()) if overclip else math.nan,
+        "clip_low": float(_series(run, "train/clip_frac_low")[1].mean()) if _series(run, "train/clip_frac_low") else math.nan,
+        "entropy_first": float(entropy[1][0]) if entropy else math.nan,
+        "entropy_last": float(entropy[1][-TAIL:].mean()) if entropy else math.nan,
+        "no_number": _tail_mean(run, "response/no_number_frac"),
+        "repetitive": _tail_mean(run, "response/repetitive_frac"),
+        "length": _tail_mean(run, "response/length_mean"),
+        "reward": _tail_mean(run, "reward/mean"),
+        "accuracy_start": float(accuracy[1][0]) if accuracy else math.nan,
+        "accuracy": float(accuracy[1][-1]) if accuracy else math.nan,
+        "train_forward_delta_max": float(np.max(_series(run, "noise/train_forward_abs_delta_max")[1]))
+        if _series(run, "noise/train_forward_abs_delta_max") else math.nan,
+    }
+    values["entropy_drift"] = values["entropy_last"] / values["entropy_first"] if entropy else math.nan
+    curves = {tag: found for tag in CURVES if (found := _series(run, tag)) is not None}
+    record = Path(run_dir) / "eval_correct.json"
+    evals = json.loads(record.read_text()) if record.is_file() else {}
+    eval_final = evals[max(evals, key=int)] if evals else None
+    if evals:  # the per-problem record, where the run wrote one
+        values["accuracy_start"] = float(np.mean(evals[min(evals, key=int)]))
+        values["accuracy"] = float(np.mean(eval_final))
+    return RunFigures(arm, seed, values, curves, eval_final)
+
+
+def paired_against(reference: RunFigures, run: RunFigures) -> dict[str, float] | None:
+    """McNemar on the last eval of `run` against `reference` on the same problems: gained = right
+    in `run` and wrong in the reference. None when either has no per-problem record."""
+    if reference.eval_final is None or run.eval_final is None or len(reference.eval_final) != len(run.eval_final):
+        return None
+    return paired_eval_change([bool(c) for c in reference.eval_final], [bool(c) for c in run.eval_final])
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the finite values; NaNs when none."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan, math.nan
+    return float(np.median(finite)), min(finite), max(finite)
+
+
+def arm_summary(runs: list[RunFigures]) -> dict[str, tuple[float, float, float]]:
+    """figure -> (median, min, max) over the arm's seeds."""
+    return {key: spread([r.values[key] for r in runs]) for key in runs[0].values}
+
+
+def _fmt(triple: tuple[float, float, float], percent: bool = False, digits: int = 3) -> str:
+    median, low, high = triple
+    if not math.isfinite(median):
+        return "n/a"
+    scale, unit, places = (100.0, "%", 1) if percent else (1.0, "", digits)
+
+    def one(value: float) -> str:
+        return f"{value * scale:.{places}f}{unit}"
+
+    return one(median) + (f" [{one(low)}, {one(high)}]" if low != high else "")
+
+
+def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
+    """The report's answers to the issue's four questions, from the figures (medians over seeds,
+    [min, max] where an arm has more than one seed)."""
+    summaries = {name: arm_summary(runs) for name, runs in arms.items()}
+    ref = summaries.get(reference)
+    lines = []
+    measured = {n: s for n, s in summaries.items() if math.isfinite(s["overclip"][0])}
+    over = [n for n, s in measured.items() if s["overclip"][0] > OVERCLIP_THRESHOLD]
+    if not measured:
+        lines.append("- **Over-clipping**: no arm measured the diagnostic (no FP8 trainer arm finished).")
+    else:
+        listed = ", ".join(f"{n} {_fmt(measured[n]['overclip'], percent=True)}" for n in sorted(measured,
+                           key=lambda n: -measured[n]["overclip"][0]))
+        lines.append(f"- **Over-clipping** (mean share of A<0 tokens clipped by the arm's ratio and not by "
+                     f"the shadow's; > {OVERCLIP_THRESHOLD:.0%} counts): "
+                     + (f"{', '.join(over)} over-clip" if over else "no arm over-clips") + f". All: {listed}.")
+    if ref is not None:
+        for name in over:
+            s = summaries[name]
+            garbled = max(s["no_number"][0] - ref["no_number"][0], s["repetitive"][0] - ref["repetitive"][0])
+            surge = s["entropy_drift"][0] > ENTROPY_SURGE
+            lines.append(f"- **{name}: does entropy/garbling follow?** entropy drift {_fmt(s['entropy_drift'])} "
+                         f"({reference}: {_fmt(ref['entropy_drift'])}), garbled shares no-number "
+                         f"{_fmt(s['no_number'], percent=True)} / repetitive {_fmt(s['repetitive'], percent=True)} "
+                         f"({reference}: {_fmt(ref['no_number'], percent=True)} / {_fmt(ref['repetitive'], percent=True)}): "
+                         + ("entropy surges" if surge else "no entropy surge") + " and "
+                         + ("output garbles" if garbled > GARBLE_RISE else "no garbling beyond the reference") + ".")
+    for name in sorted(summaries):
+        calibrated = f"{name}_cc"
+        if calibrated not in summaries or ref is None:
+            continue
+        plain, cc = summaries[name], summaries[calibrated]
+        lines.append(f"- **Calibrated Clipping on {name}**: diagnostic {_fmt(plain['overclip'], percent=True)} -> "
+                     f"{_fmt(cc['overclip'], percent=True)}; held-out accuracy {_fmt(plain['accuracy'])} -> "
+                     f"{_fmt(cc['accuracy'])} ({reference}: {_fmt(ref['accuracy'])}); "
+                     + _paired_text(arms, reference, calibrated) + ".")
+    for name in ("aligned", "aligned_cc"):
+        if name in summaries:
+            s = summaries[name]
+            lines.append(f"- **{name}**: first-forward |log π_θ − log π_old| max {_fmt(s['train_forward_delta_max'], digits=2)} "
+                         f"(0: the first mini-batch's ratio is exactly 1), diagnostic on the later mini-batch "
+                         f"{_fmt(s['overclip'], percent=True)}, accuracy {_fmt(s['accuracy'])}.")
+    return lines
+
+
+def _paired_text(arms: dict[str, list[RunFigures]], reference: str, name: str) -> str:
+    tests = _paired_tests(arms, reference, name)
+    if not tests:
+        return f"no paired test against {reference} (no shared seed with per-problem results)"
+    parts = [f"seed {seed}: {int(t['gained'])} gained / {int(t['lost'])} lost, p = {t['mcnemar_p']:.2g}"
+             for seed, t in tests.items()]
+    return f"vs {reference} on the same problems: " + "; ".join(parts)
+
+
+def _paired_tests(arms: dict[str, list[RunFigures]], reference: str, name: str) -> dict[str, dict]:
+    """seed -> McNemar of arm `name`'s last eval against the reference arm's, same seed."""
+    refs = {r.seed: r for r in arms.get(reference, [])}
+    out = {}
+    for run in arms.get(name, []):
+        if run.seed in refs and (test := paired_against(refs[run.seed], run)) is not None:
+            out[run.seed] = test
+    return out
+
+
+COLUMNS = (("seeds", None), ("diagnostic", "overclip"), ("lower clip", "clip_low"),
+           ("entropy first → last", None), ("no number", "no_number"), ("repetitive", "repetitive"),
+           ("length", "length"), ("reward", "reward"), ("accuracy start → end", None))
+
+
+def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
+    header = [name for name, _ in COLUMNS] + [f"paired vs {reference}"]
+    lines = ["| arm | " + " | ".join(header) + " |", "|" + "---|" * (len(header) + 1)]
+    for name, runs in arms.items():
+        s = arm_summary(runs)
+        cells = [str(len(runs)), _fmt(s["overclip"], True), _fmt(s["clip_low"], True),
+                 f"{_fmt(s['entropy_first'])} → {_fmt(s['entropy_last'])}", _fmt(s["no_number"], True),
+                 _fmt(s["repetitive"], True), _fmt(s["length"], digits=1), _fmt(s["reward"]),
+                 f"{_fmt(s['accuracy_start'])} → {_fmt(s['accuracy'])}"]
+        tests = _paired_tests(arms, reference, name) if name != reference else {}
+        cells.append(", ".join(f"+{int(t['gained'])}/−{int(t['lost'])} p={t['mcnemar_p']:.2g}" for t in tests.values())
+                     or "—")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _curves_figure(arms: dict[str, list[RunFigures]], path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.4 * 3, 3.6 * 2), layout="constrained")
+    axes = fig.subplots(2, 3).flatten()
+    for ax, (tag, title) in zip(axes, CURVES.items()):
+        for index, (name, runs) in enumerate(arms.items()):
+            found = [r.curves[tag] for r in runs if tag in r.curves]
+            if not found:
+                continue
+            steps = sorted(set().union(*(set(s.tolist()) for s, _ in found)))
+            table = np.full((len(found), len(steps)), np.nan)
+            for row, (s, v) in enumerate(found):
+                table[row, [steps.index(x) for x in s.tolist()]] = v
+            with np.errstate(all="ignore"):
+                middle = np.nanmedian(table, axis=0)
+            ax.plot(steps, middle, color=f"C{index % 10}", label=name, linewidth=1.2)
+            if len(found) > 1:
+                ax.fill_between(steps, np.nanmin(table, axis=0), np.nanmax(table, axis=0),
+                                color=f"C{index % 10}", alpha=0.15)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("per step: median over seeds, band min-max")
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def _accuracy_figure(arms: dict[str, list[RunFigures]], path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(5.0, 0.9 * len(arms) + 2), 3.8), layout="constrained")
+    ax = fig.subplots()
+    for index, (name, runs) in enumerate(arms.items()):
+        median, low, high = spread([r.values["accuracy"] for r in runs])
+        start = spread([r.values["accuracy_start"] for r in runs])[0]
+        ax.bar(index, median, color=f"C{index % 10}", alpha=0.8)
+        if low != high:
+            ax.errorbar(index, median, yerr=[[median - low], [high - median]], color="black", capsize=4)
+        ax.scatter([index] * len(runs), [r.values["accuracy"] for r in runs], color="black", s=10, zorder=3)
+        ax.plot([index - 0.4, index + 0.4], [start, start], color="grey", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(arms)), list(arms), rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("held-out greedy accuracy (last eval)")
+    ax.set_title("final accuracy per arm: bar median, whiskers min-max, dots seeds, dashed start", fontsize=9)
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, reference: str, preamble: str,
+                       wall_seconds: dict[str, float] | None = None) -> Path:
+    """report.md + curves.png + accuracy.png in `out_dir` from {arm: {seed: run_dir}} (finished
+    runs only); returns report.md's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arms = {arm: [run_figures(d, arm, seed) for seed, d in seeds.items()] for arm, seeds in runs.items() if seeds}
+    curves = _curves_figure(arms, out_dir / "curves.png")
+    accuracy = _accuracy_figure(arms, out_dir / "accuracy.png")
+    lines = ["# FP8 stability study", "", preamble, "", "## Verdict", "", *verdict_lines(arms, reference), "",
+             f"## Arms (median [min, max] over seeds; final figures: mean of the last {TAIL} steps)", "",
+             *_table(arms, reference), "", f"![per-step curves]({curves.name})", "",
+             f"![final accuracy]({accuracy.name})", ""]
+    if wall_seconds:
+        total = sum(wall_seconds.values())
+        lines += ["## Wall time", "", f"{total / 60:.1f} min for the {len(wall_seconds)} runs trained by the "
+                  "invocations that wrote timings.json:", "",
+                  *(f"- {name}: {seconds / 60:.1f} min" for name, seconds in wall_seconds.items()), ""]
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines))
+    return report

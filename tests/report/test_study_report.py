@@ -1,0 +1,76 @@
+"""The stability study's report from run directories written the way `train` writes them
+(tensorboard scalars, eval_correct.json): per-arm figures over seeds, paired tests against the
+reference arm, the verdict, the PNGs."""
+import json
+import math
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from megatron_fp8rl.report.study_report import run_figures, verdict_lines, write_study_report
+from megatron_fp8rl.rl.metrics import paired_eval_change
+from tests.helpers.png import assert_png
+
+
+def _run(path, scalars: dict[str, list[float]], evals: dict[int, list[int]]):
+    writer = SummaryWriter(str(path / "tb"))
+    for tag, values in scalars.items():
+        for step, value in enumerate(values, 1):
+            writer.add_scalar(tag, value, step)
+    writer.close()
+    (path / "eval_correct.json").write_text(json.dumps({str(k): v for k, v in evals.items()}))
+    return path
+
+
+def _scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8):
+    out = {"train/entropy": [1.0] * (steps - 5) + [entropy_end] * 5, "reward/mean": [0.2] * steps,
+           "response/no_number_frac": [no_number] * steps, "response/repetitive_frac": [0.0] * steps,
+           "response/length_mean": [10.0] * steps, "train/clip_frac_low": [0.01] * steps}
+    if overclip is not None:
+        out["clip/neg_overclip_before"] = overclip
+    return out
+
+
+@pytest.fixture
+def study(tmp_path):
+    ref_eval = [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]
+    bad_eval = [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]  # 3 lost against the reference
+    runs = {
+        "bf16": {"1": _run(tmp_path / "r1", _scalars(), {0: [0] * 10, 8: ref_eval}),
+                 "2": _run(tmp_path / "r2", _scalars(), {0: [0] * 10, 8: ref_eval})},
+        "tensorwise": {"1": _run(tmp_path / "t1", _scalars([0.05] * 8, entropy_end=2.0, no_number=0.3), {8: bad_eval}),
+                       "2": _run(tmp_path / "t2", _scalars([0.03] * 8, entropy_end=1.8, no_number=0.3), {8: bad_eval})},
+        "tensorwise_cc": {"1": _run(tmp_path / "c1", _scalars([0.002] * 8), {8: ref_eval})},
+    }
+    return tmp_path, runs
+
+
+def test_run_figures_read_the_logs(study):
+    _, runs = study
+    figures = run_figures(runs["tensorwise"]["1"], "tensorwise", "1")
+    assert figures.values["overclip"] == pytest.approx(0.05)
+    assert figures.values["entropy_first"] == 1.0 and figures.values["entropy_drift"] == pytest.approx(2.0)
+    assert figures.values["no_number"] == pytest.approx(0.3) and figures.values["accuracy"] == pytest.approx(0.1)
+    assert math.isnan(run_figures(runs["bf16"]["1"], "bf16", "1").values["overclip"])  # no FP8 ratio
+
+
+def test_verdict_names_the_overclipping_arm_and_the_paired_tests(study):
+    _, runs = study
+    arms = {name: [run_figures(d, name, seed) for seed, d in seeds.items()] for name, seeds in runs.items()}
+    lines = "\n".join(verdict_lines(arms, "bf16"))
+    assert "tensorwise over-clip" in lines and "tensorwise_cc over-clip" not in lines
+    assert "entropy surges" in lines and "output garbles" in lines  # drift 1.9 > 1.5; +30 points no-number
+    assert "diagnostic 4.0% [3.0%, 5.0%] -> 0.2%" in lines
+    expected = paired_eval_change([bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]], [bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]])
+    assert f"seed 1: 0 gained / 0 lost, p = {expected['mcnemar_p']:.2g}" in lines
+
+
+def test_report_writes_markdown_and_figures(study):
+    tmp_path, runs = study
+    report = write_study_report(runs, tmp_path / "report", "bf16", "preamble", {"bf16/seed1": 600.0})
+    text = report.read_text()
+    assert "## Verdict" in text and "| tensorwise | 2 | 4.0% [3.0%, 5.0%]" in text
+    assert "+0/−3 p=0.25" in text  # tensorwise vs bf16, each seed: 3 problems lost
+    assert "10.0 min" in text
+    for name in ("curves.png", "accuracy.png"):
+        assert_png(tmp_path / "report" / name)
