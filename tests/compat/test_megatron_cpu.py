@@ -57,3 +57,33 @@ def test_rng_tracker_forks_differ_from_default(megatron_tp1):
         forked = torch.rand(4)
     default = torch.rand(4)
     assert not torch.equal(forked, default)
+
+
+@pytest.mark.parametrize("call", ["matmul", "linear", "mm_t", "baddbmm"])
+def test_bf16_gemms_run_as_fp32_gemms_rounded_once(call):
+    """Under the shims a bf16 GEMM is the fp32 GEMM of the same bf16 values rounded to bf16 once
+    (bit for bit: the oracle computes exactly that outside the mode), with autograd intact; the
+    CPU's native bf16 kernel agrees to a bf16 rounding (at these shapes it differs from the oracle
+    in a few elements: the check can fail). Other dtypes are left alone."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 64, 1536, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(1536, 576, generator=gen).bfloat16()
+    bias = torch.randn(2, 64, 576, generator=gen).bfloat16()
+    ops = {"matmul": lambda x, y, b: torch.matmul(x, y),
+           "linear": lambda x, y, b: torch.nn.functional.linear(x, y.t()),
+           "mm_t": lambda x, y, b: x[0].mm(y),
+           "baddbmm": lambda x, y, b: torch.baddbmm(b, x, y.expand(2, 1536, 576), beta=0.5, alpha=0.25)}
+    op = ops[call]
+    native = op(a, w, bias)
+    oracle = op(a.detach().float(), w.float(), bias.float()).bfloat16()
+    assert megatron_cpu.enable()
+    try:
+        emulated = op(a, w, bias)
+        emulated.float().sum().backward()
+        same_fp32 = op(a.detach().float(), w.float(), bias.float())
+    finally:
+        megatron_cpu.disable()
+    assert emulated.dtype == torch.bfloat16 and torch.equal(emulated, oracle)
+    torch.testing.assert_close(emulated.float(), native.float(), rtol=2 ** -6, atol=1e-2)
+    assert a.grad is not None and a.grad.dtype == torch.bfloat16 and torch.isfinite(a.grad.float()).all()
+    assert same_fp32.dtype == torch.float32  # fp32 GEMMs untouched
