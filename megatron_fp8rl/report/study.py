@@ -64,12 +64,15 @@ ARMS = (
 )
 
 # The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
-# sampling temperature, with two mini-batches per step (so the clip bounds act on a moved policy)
-# and dynamic sampling off (every arm trains on the same prompt stream; it draws extra prompts
-# depending on rewards, which differ between arms).
-FULL = {"train.steps": 30, "data.prompts_per_step": 4, "rollout.n_samples": 8,
-        "rollout.max_new_tokens": 16, "train.micro_batch_size": 16, "train.mini_batches": 2,
-        "data.eval_size": 100, "train.eval_every": 10}
+# sampling temperature, two mini-batches per step (so the clip bounds act on a moved policy), and
+# dynamic sampling off (every arm trains on the same prompt stream; it draws extra prompts
+# depending on rewards, which differ between arms). Sized for the issue's <= 3 hours for all runs
+# on a quiet 2-core box (probes 2026-12-03, 4 prompts x 8 samples: a tensorwise step 50-55 s,
+# aligned_cc 51 s, a 100-problem FP8 eval 30-38 s; bf16 SGLang evals at half that speed): 2
+# prompts x 8 samples a step, 64 held-out problems at the start and the end.
+FULL = {"train.steps": 30, "data.prompts_per_step": 2, "rollout.n_samples": 8,
+        "rollout.max_new_tokens": 16, "train.micro_batch_size": 8, "train.mini_batches": 2,
+        "data.eval_size": 64, "train.eval_every": 30}
 QUICK = {"train.steps": 2, "data.prompts_per_step": 2, "rollout.n_samples": 4,
          "rollout.max_new_tokens": 6, "train.micro_batch_size": 4, "train.mini_batches": 2,
          "data.eval_size": 8, "train.eval_every": 2}
