@@ -66,32 +66,45 @@ def _series(run: RunLogs, tag: str) -> tuple[np.ndarray, np.ndarray] | None:
     return (series.steps[keep], series.values[keep]) if keep.any() else None
 
 
-def _tail_mean(run: RunLogs, tag: str) -> float:
+def _reduce(run: RunLogs, tag: str, reduce) -> float:
+    """`reduce` of a tag's finite values over steps; NaN when the run logged none."""
     found = _series(run, tag)
-    return float(found[1][-TAIL:].mean()) if found else math.nan
+    return float(reduce(found[1])) if found else math.nan
+
+
+def _first_step(run: RunLogs, tag: str, condition) -> float:
+    """The first step whose value meets `condition` (given all values, returns a mask); NaN if none."""
+    found = _series(run, tag)
+    if not found:
+        return math.nan
+    hits = np.flatnonzero(condition(found[1]))
+    return float(found[0][hits[0]]) if hits.size else math.nan
 
 
 def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
     """The figures of one finished run (`run_dir` holds tb/ and eval_correct.json)."""
     run = load_run(run_dir, name=f"{arm}/{seed}")
-    entropy, overclip = _series(run, "train/entropy"), _series(run, "clip/neg_overclip_before")
-    accuracy = _series(run, "eval/accuracy")
+    entropy, accuracy = _series(run, "train/entropy"), _series(run, "eval/accuracy")
     values = {
-        "overclip": float(overclip[1].mean()) if overclip else math.nan,
-        "overclip_max": float(overclip[1].max()) if overclip else math.nan,
-        "clip_low": float(_series(run, "train/clip_frac_low")[1].mean()) if _series(run, "train/clip_frac_low") else math.nan,
+        "overclip": _reduce(run, "clip/neg_overclip_before", np.mean),
+        "overclip_max": _reduce(run, "clip/neg_overclip_before", np.max),
+        "clip_low": _reduce(run, "train/clip_frac_low", np.mean),
         "entropy_first": float(entropy[1][0]) if entropy else math.nan,
-        "entropy_last": float(entropy[1][-TAIL:].mean()) if entropy else math.nan,
-        "no_number": _tail_mean(run, "response/no_number_frac"),
-        "repetitive": _tail_mean(run, "response/repetitive_frac"),
-        "length": _tail_mean(run, "response/length_mean"),
-        "reward": _tail_mean(run, "reward/mean"),
+        "entropy_last": _reduce(run, "train/entropy", lambda v: v[-TAIL:].mean()),
+        "no_number": _reduce(run, "response/no_number_frac", lambda v: v[-TAIL:].mean()),
+        "repetitive": _reduce(run, "response/repetitive_frac", lambda v: v[-TAIL:].mean()),
+        "length": _reduce(run, "response/length_mean", lambda v: v[-TAIL:].mean()),
+        "reward": _reduce(run, "reward/mean", lambda v: v[-TAIL:].mean()),
         "accuracy_start": float(accuracy[1][0]) if accuracy else math.nan,
         "accuracy": float(accuracy[1][-1]) if accuracy else math.nan,
-        "train_forward_delta_max": float(np.max(_series(run, "noise/train_forward_abs_delta_max")[1]))
-        if _series(run, "noise/train_forward_abs_delta_max") else math.nan,
+        "train_forward_delta_max": _reduce(run, "noise/train_forward_abs_delta_max", np.max),
     }
     values["entropy_drift"] = values["entropy_last"] / values["entropy_first"] if entropy else math.nan
+    # when each sign first shows: over-clipping above the threshold, an entropy surge, garbling
+    # (the no-number share GARBLE_RISE above its first steps')
+    values["overclip_from"] = _first_step(run, "clip/neg_overclip_before", lambda v: v > OVERCLIP_THRESHOLD)
+    values["surge_from"] = _first_step(run, "train/entropy", lambda v: v > ENTROPY_SURGE * v[0])
+    values["garble_from"] = _first_step(run, "response/no_number_frac", lambda v: v > v[:TAIL].mean() + GARBLE_RISE)
     curves = {tag: found for tag in CURVES if (found := _series(run, tag)) is not None}
     record = Path(run_dir) / "eval_correct.json"
     evals = json.loads(record.read_text()) if record.is_file() else {}
@@ -156,12 +169,17 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
             s = summaries[name]
             garbled = max(s["no_number"][0] - ref["no_number"][0], s["repetitive"][0] - ref["repetitive"][0])
             surge = s["entropy_drift"][0] > ENTROPY_SURGE
-            lines.append(f"- **{name}: does entropy/garbling follow?** entropy drift {_fmt(s['entropy_drift'])} "
-                         f"({reference}: {_fmt(ref['entropy_drift'])}), garbled shares no-number "
-                         f"{_fmt(s['no_number'], percent=True)} / repetitive {_fmt(s['repetitive'], percent=True)} "
-                         f"({reference}: {_fmt(ref['no_number'], percent=True)} / {_fmt(ref['repetitive'], percent=True)}): "
-                         + ("entropy surges" if surge else "no entropy surge") + " and "
-                         + ("output garbles" if garbled > GARBLE_RISE else "no garbling beyond the reference") + ".")
+            order = ", ".join(f"{what} from step {_fmt(s[key], digits=0)}" for what, key in
+                              (("over-clipping", "overclip_from"), ("entropy surge", "surge_from"),
+                               ("garbling", "garble_from")) if math.isfinite(s[key][0]))
+            lines.append(
+                f"- **{name}: does entropy/garbling follow?** entropy drift {_fmt(s['entropy_drift'])} "
+                f"({reference}: {_fmt(ref['entropy_drift'])}), garbled shares no-number "
+                f"{_fmt(s['no_number'], percent=True)} / repetitive {_fmt(s['repetitive'], percent=True)} ({reference}: "
+                f"{_fmt(ref['no_number'], percent=True)} / {_fmt(ref['repetitive'], percent=True)}): "
+                + ("entropy surges" if surge else "no entropy surge") + " and "
+                + ("output garbles" if garbled > GARBLE_RISE else "no garbling beyond the reference")
+                + f" (first seen, median over seeds: {order})" + ".")
     for name in sorted(summaries):
         calibrated = f"{name}_cc"
         if calibrated not in summaries or ref is None:
@@ -174,9 +192,10 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
     for name in ("aligned", "aligned_cc"):
         if name in summaries:
             s = summaries[name]
-            lines.append(f"- **{name}**: first-forward |log π_θ − log π_old| max {_fmt(s['train_forward_delta_max'], digits=2)} "
-                         f"(0: the first mini-batch's ratio is exactly 1), diagnostic on the later mini-batch "
-                         f"{_fmt(s['overclip'], percent=True)}, accuracy {_fmt(s['accuracy'])}.")
+            lines.append(f"- **{name}**: first-forward |log π_θ − log π_old| max "
+                         f"{_fmt(s['train_forward_delta_max'], digits=2)} (0: the first mini-batch's ratio is "
+                         f"exactly 1), diagnostic on the later mini-batch {_fmt(s['overclip'], percent=True)}, "
+                         f"accuracy {_fmt(s['accuracy'])}.")
     return lines
 
 
@@ -214,8 +233,8 @@ def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
                  _fmt(s["repetitive"], True), _fmt(s["length"], digits=1), _fmt(s["reward"]),
                  f"{_fmt(s['accuracy_start'])} → {_fmt(s['accuracy'])}"]
         tests = _paired_tests(arms, reference, name) if name != reference else {}
-        cells.append(", ".join(f"+{int(t['gained'])}/−{int(t['lost'])} p={t['mcnemar_p']:.2g}" for t in tests.values())
-                     or "—")
+        cells.append(", ".join(f"+{int(t['gained'])}/−{int(t['lost'])} p={t['mcnemar_p']:.2g}"
+                               for t in tests.values()) or "—")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -243,7 +262,7 @@ def _curves_figure(arms: dict[str, list[RunFigures]], path: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    max(axes, key=lambda ax: len(ax.get_lines())).legend(fontsize=7)
     fig.suptitle("per step: median over seeds, band min-max")
     fig.savefig(path, dpi=90)
     return path

@@ -60,6 +60,7 @@ def test_verdict_names_the_overclipping_arm_and_the_paired_tests(study):
     lines = "\n".join(verdict_lines(arms, "bf16"))
     assert "tensorwise over-clip" in lines and "tensorwise_cc over-clip" not in lines
     assert "entropy surges" in lines and "output garbles" in lines  # drift 1.9 > 1.5; +30 points no-number
+    assert "over-clipping from step 1, entropy surge from step 4" in lines  # entropy 1.0 at steps 1-3
     assert "diagnostic 4.0% [3.0%, 5.0%] -> 0.2%" in lines
     expected = paired_eval_change([bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]], [bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]])
     assert f"seed 1: 0 gained / 0 lost, p = {expected['mcnemar_p']:.2g}" in lines
