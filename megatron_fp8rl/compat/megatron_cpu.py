@@ -26,6 +26,9 @@ What fails unpatched on CPU, and what each patch does (see ../shared/DESIGN.md):
   accumulation, one rounding); the CPU's own bf16 kernels on an AVX2 machine without bf16
   instructions took 2.6x (x @ W^T), 18x (dy @ W) and 1.6x (dy^T @ x) an fp32 GEMM at SmolLM2's
   [512, 576] x [576, 1536] (2 threads), and a Megatron bf16 step of the stability study 402 s.
+  The mode does not see inside `torch.autograd.backward` (torch 2.13 dispatches that call to the
+  mode, and a mode is off while it handles a call), so the backward of Megatron's linear autograd
+  Functions, whose dgrad/wgrad are explicit bf16 matmuls, runs under its own bf16-GEMM mode.
 
 Usage: entry points call `enable()` once, explicitly, before building models (never as an import
 side effect). It is a no-op when CUDA is available. `disable()` undoes it (tests).
@@ -79,6 +82,26 @@ def _bf16_gemm_in_fp32(func, args: tuple, kwargs: dict):
         return value.float() if isinstance(value, torch.Tensor) else value
 
     return func(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(torch.bfloat16)
+
+
+class _Bf16GemmMode(TorchFunctionMode):
+    """Only the bf16 GEMM rule of `_CudaToCpuMode`: entered inside the backward of Megatron's
+    linear Functions (`_bf16_gemm_backward`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        result = _bf16_gemm_in_fp32(func, args, kwargs)
+        return func(*args, **kwargs) if result is None else result
+
+
+def _bf16_gemm_backward(backward):
+    """`backward` of a custom autograd Function, run with bf16 GEMMs in fp32."""
+
+    def wrapped(ctx, *grads):
+        with _Bf16GemmMode():
+            return backward(ctx, *grads)
+
+    return staticmethod(wrapped)
 
 
 class _CudaToCpuMode(TorchFunctionMode):
@@ -214,6 +237,11 @@ def enable() -> bool:
     _patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
     _patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
     logging.getLogger(mcore_random.__name__).addFilter(_RNG_FILTER)
+    from megatron.core.tensor_parallel import layers as mcore_layers
+
+    for function in (mcore_layers.LinearWithGradAccumulationAndAsyncCommunication,
+                     mcore_layers.LinearWithFrozenWeight):
+        _patch(function, "backward", _bf16_gemm_backward(function.backward))
     _mode = _CudaToCpuMode()
     _mode.__enter__()
     return True

@@ -76,14 +76,39 @@ def test_bf16_gemms_run_as_fp32_gemms_rounded_once(call):
     op = ops[call]
     native = op(a, w, bias)
     oracle = op(a.detach().float(), w.float(), bias.float()).bfloat16()
+    enabled_before = megatron_cpu._mode is not None  # (a module fixture's shims stay on)
     assert megatron_cpu.enable()
     try:
         emulated = op(a, w, bias)
         emulated.float().sum().backward()
         same_fp32 = op(a.detach().float(), w.float(), bias.float())
     finally:
-        megatron_cpu.disable()
+        if not enabled_before:
+            megatron_cpu.disable()
     assert emulated.dtype == torch.bfloat16 and torch.equal(emulated, oracle)
     torch.testing.assert_close(emulated.float(), native.float(), rtol=2 ** -6, atol=1e-2)
     assert a.grad is not None and a.grad.dtype == torch.bfloat16 and torch.isfinite(a.grad.float()).all()
     assert same_fp32.dtype == torch.float32  # fp32 GEMMs untouched
+
+
+def test_megatron_linear_backward_runs_its_bf16_gemms_in_fp32(megatron_tp1):
+    """The shims' mode does not reach inside torch.autograd.backward; Megatron's linear Function
+    runs its own dgrad/wgrad under the bf16 GEMM rule: both gradients are bit-identical to fp32
+    GEMMs of the bf16 values rounded once (shapes where the native bf16 kernel differs)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 1, 576, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(1536, 576, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(64, 1, 1536, generator=gen).bfloat16()
+    y = linear_with_grad_accumulation_and_async_allreduce(
+        x, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False,
+        tp_group=parallel_state.get_tensor_model_parallel_group())
+    torch.autograd.backward(y, dy)
+    dy2, x2 = dy.reshape(64, 1536).float(), x.detach().reshape(64, 576).float()
+    assert torch.equal(x.grad.reshape(64, 576), (dy2 @ w.detach().float()).bfloat16())
+    assert torch.equal(w.grad, (dy2.t() @ x2).bfloat16())
+    with torch._C.DisableTorchFunction():  # the native bf16 kernel, outside the shims' mode
+        native = dy.reshape(64, 1536) @ w.detach()
+    assert not torch.equal(native, (dy2 @ w.detach().float()).bfloat16())  # the check can fail
