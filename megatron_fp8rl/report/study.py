@@ -175,6 +175,38 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
             "stability` (bench/stability.py); per-run plots in runs/.")
 
 
+def config_differences(run_dir: Path, overrides: list[str]) -> list[str]:
+    """'key: run has X, the study sets Y' for every `key=value` override that the finished run's
+    config.yaml does not hold (values compared as YAML, numbers as numbers); a run directory is
+    reused only when this is empty."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    saved = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    out = []
+    for item in overrides:
+        key, _, text = item.partition("=")
+        found = saved
+        for part in key.split("."):
+            found = found.get(part, _MISSING) if isinstance(found, dict) else _MISSING
+        if not _same_value(yaml.safe_load(text), found):
+            out.append(f"{key}: run has {found!r}, the study sets {text}")
+    return out
+
+
+_MISSING = object()
+
+
+def _same_value(wanted, found) -> bool:
+    numbers = (int, float)
+    if isinstance(found, numbers) and not isinstance(found, bool) and not isinstance(wanted, bool):
+        try:
+            return float(wanted) == float(found)
+        except (TypeError, ValueError):
+            return False
+    return wanted == found
+
+
 def run_dir_of(study_dir: Path, setting: Setting, seed: int) -> Path:
     return study_dir / setting.name / f"seed{seed}"
 
@@ -199,13 +231,17 @@ def run_study(args: argparse.Namespace) -> int:
     plan = runs_of(settings, seeds)
     for number, (setting, seed) in enumerate(plan, 1):
         run_dir, label = run_dir_of(study_dir, setting, seed), f"{setting.name}/seed{seed}"
+        command = train_command(setting, run_dir, model, sizes, args.set, args.nproc, seed)
         if (run_dir / "summary.json").is_file() and not args.rerun:
-            print(f"[stability] {number}/{len(plan)} {label}: finished earlier, kept (--rerun trains it again)")
-            continue
+            differs = config_differences(run_dir, command[command.index("train") + 1:])
+            if not differs:
+                print(f"[stability] {number}/{len(plan)} {label}: finished earlier, kept (--rerun trains it again)")
+                continue
+            print(f"[stability] {number}/{len(plan)} {label}: finished earlier with other settings "
+                  f"({'; '.join(differs[:3])}), trained again")
         if run_dir.exists():  # an interrupted or failed attempt: start it over
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        command = train_command(setting, run_dir, model, sizes, args.set, args.nproc, seed)
         print(f"[stability] {number}/{len(plan)} {label}: {' '.join(setting.overrides)}", flush=True)
         start = time.perf_counter()
         code = run_setting(command, run_dir / "train.log", args.timeout)

@@ -98,3 +98,17 @@ def test_run_setting_kills_what_the_run_left_behind(tmp_path):
     while psutil.pid_exists(grandchild) and psutil.Process(grandchild).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "grandchild still running"
         time.sleep(0.2)
+
+
+def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path):
+    from megatron_fp8rl.config.loader import save_config
+    from megatron_fp8rl.report.study import config_differences
+
+    setting = next(s for s in study_settings() if s.name == "tensorwise")
+    command = train_command(setting, tmp_path, tmp_path / "m", FULL, [], 1, seed=2)
+    overrides = command[command.index("train") + 1:]
+    save_config(_config(overrides), tmp_path / "config.yaml")  # what `train` writes
+    assert config_differences(tmp_path, overrides) == []
+    other = train_command(setting, tmp_path, tmp_path / "m", {**FULL, "train.lr": "5e-5"}, [], 1, seed=3)
+    differs = config_differences(tmp_path, other[other.index("train") + 1:])
+    assert len(differs) == 2 and differs[0].startswith("train.lr: run has 3e-05") and "train.seed" in differs[1]
