@@ -12,7 +12,8 @@ diagnostic measured by clip_calibration=monitor), the same with Calibrated Clipp
 tensorwise_noise (noise-aware clipping). Output: <study-dir>/<arm>/seed<k>/ (a run directory each,
 train.log), <study-dir>/timings.json, <study-dir>/report/report.md with curves.png and
 accuracy.png, and <study-dir>/report/runs/ (per-run plots of each arm's first seed). A run that
-finished earlier is kept (--rerun trains it again); an unfinished one starts over.
+finished earlier with the same settings (its config.yaml) is kept (--rerun trains it again); an
+unfinished one, or one finished with other settings, starts over.
 """
 from __future__ import annotations
 
