@@ -263,7 +263,7 @@ def run_study(args: argparse.Namespace) -> int:
         report = write_study_report(finished, study_dir / "report", REFERENCE, PREAMBLE,
                                     {k: v for k, v in timings.items() if k.split("/")[0] in finished})
         first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]
-        names = [f"{arm}" for arm, dirs in finished.items() if dirs]
+        names = [arm for arm, dirs in finished.items() if dirs]
         write_report(first, study_dir / "report" / "runs", title="FP8 stability study: each arm's first seed",
                      preamble="Per-run plots of every finished arm's first seed.", names=names)
         print(f"[stability] report: {report}")

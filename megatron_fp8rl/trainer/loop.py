@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoi
 from megatron_fp8rl.trainer.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.objective import Objective
-from megatron_fp8rl.trainer.rl_step import Prompts, StepContext, rl_step, sync_weights
+from megatron_fp8rl.trainer.rl_step import Prompts, StepContext, rl_step, sync_weights, timed
 from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT
 from megatron_fp8rl.trainer.run_dir import check_run_dir, claim_run_dir
 from megatron_fp8rl.trainer.stop import StopRequested, StopSignals
@@ -172,11 +171,10 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
             summary = dict(resumed)  # a resumed run's summary continues the interrupted one's
             eval_start = summary.pop("eval_start", None)  # per-problem correctness of the first eval
             if cfg.train.eval_every and not start:
-                eval_begin = time.perf_counter()
-                eval_start = evaluate(ctx, eval_prompts, eval_answers)
+                with timed(ctx.setup_timings, "setup_eval"):
+                    eval_start = evaluate(ctx, eval_prompts, eval_answers)
                 _record_eval(cfg, rank, start, eval_start)
                 summary["eval/accuracy_start"] = eval_metrics(eval_start, None)["eval/accuracy"]
-                ctx.setup_timings["time/setup_eval_s"] = time.perf_counter() - eval_begin
                 _log(writer, {"eval/accuracy": summary["eval/accuracy_start"]}, start)
             begin = time.perf_counter()
             # seconds_setup: conversion, engine start, the first eval; seconds: the steps after it
@@ -189,11 +187,10 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
             for step in bar:
                 metrics = rl_step(ctx, prompts, step)
                 if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-                    eval_begin = time.perf_counter()
-                    correct = evaluate(ctx, eval_prompts, eval_answers)
+                    with timed(metrics, "eval"):
+                        correct = evaluate(ctx, eval_prompts, eval_answers)
                     _record_eval(cfg, rank, step, correct)
                     metrics.update(eval_metrics(correct, eval_start))
-                    metrics["time/eval_s"] = time.perf_counter() - eval_begin
                 _log(writer, metrics, step)
                 bar.set_postfix_str(bar_text(metrics))
                 summary.update({k: v for k, v in metrics.items() if k.startswith(("eval/", "reward/"))})
@@ -275,29 +272,21 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
         claim_run_dir(run_dir, provenance)
         save_config(cfg, run_dir / "config.yaml")
     timings: dict[str, float] = {}
-    with _phase(timings, "convert"):
+    with timed(timings, "setup_convert"):
         convert_initial_checkpoint(Path(cfg.model.hf_path), run_dir / "init_megatron")
-    with _phase(timings, "actor"):
+    with timed(timings, "setup_actor"):
         actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                               Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
                               rollout_fp8=cfg.rollout.fp8)
     if cfg.rollout.fp8 != "none":
-        with _phase(timings, "rollout_checkpoint"):
+        with timed(timings, "setup_rollout_checkpoint"):
             _write_rollout_start(cfg, actor, tokenizer, train_records)
     engine = None
-    with _phase(timings, "engine"):
+    with timed(timings, "setup_engine"):
         if rank == 0:
             engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
     return StepContext(cfg=cfg, actor=actor, engine=engine, reward_fn=load_reward_fn(cfg.data.reward),
                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), setup_timings=timings)
-
-
-@contextmanager
-def _phase(timings: dict[str, float], name: str):
-    """Seconds of one setup phase into `timings` as time/setup_<name>_s (logged at the start step)."""
-    begin = time.perf_counter()
-    yield
-    timings[f"time/setup_{name}_s"] = time.perf_counter() - begin
 
 
 BAR_PHASES = ("rollout", "recompute", "train", "sync")

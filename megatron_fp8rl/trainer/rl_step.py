@@ -48,29 +48,31 @@ class StepContext:
 
 
 @contextmanager
-def _timed(ctx: StepContext, name: str):
+def timed(timings: dict[str, float], name: str):
+    """Seconds of the block into `timings` as time/<name>_s (a step's phases, the run's set-up
+    phases, each eval)."""
     start = time.perf_counter()
     yield
-    ctx.timings[f"time/{name}_s"] = time.perf_counter() - start
+    timings[f"time/{name}_s"] = time.perf_counter() - start
 
 
 def rl_step(ctx: StepContext, prompts: Prompts, step: int) -> dict[str, float]:
     """Run RL step `step` on the next batch of `prompts` (more with dynamic sampling) and return
     its metrics (same on every rank)."""
     ctx.timings.clear()
-    with _timed(ctx, "rollout"):
+    with timed(ctx.timings, "rollout"):
         samples, rewards, stats = _rollout_until_full(ctx, prompts, step)
     if not samples:
         return {**stats, **ctx.timings}
     if _colocated_engine(ctx):  # SGLang's memory goes to the trainer until sync_weights
         ctx.engine.release_memory()
-    with _timed(ctx, "advantages"):
+    with timed(ctx.timings, "advantages"):
         batch = _make_batch(ctx.cfg, samples, rewards)
-    with _timed(ctx, "recompute"):
+    with timed(ctx.timings, "recompute"):
         old_logprobs = ctx.actor.old_logprobs(batch) if _recompute_needed(ctx.cfg) else None
-    with _timed(ctx, "train"):
+    with timed(ctx.timings, "train"):
         train_metrics = {**ctx.actor.update(batch, old_logprobs, step), **ctx.actor.fp8_metrics()}
-    with _timed(ctx, "sync"):
+    with timed(ctx.timings, "sync"):
         sync_weights(ctx, version=step)
     tokens = float(batch.response_mask.sum())
     return {**stats, **train_metrics, **ctx.timings,
