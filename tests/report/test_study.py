@@ -109,6 +109,8 @@ def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path):
     overrides = command[command.index("train") + 1:]
     save_config(_config(overrides), tmp_path / "config.yaml")  # what `train` writes
     assert config_differences(tmp_path, overrides) == []
-    other = train_command(setting, tmp_path, tmp_path / "m", {**FULL, "train.lr": "5e-5"}, [], 1, seed=3)
+    other = train_command(setting, tmp_path, tmp_path / "m", {**FULL, "train.lr": "5e-5"}, ["rollout.fp8=blockwise"],
+                          1, seed=3)
     differs = config_differences(tmp_path, other[other.index("train") + 1:])
-    assert len(differs) == 2 and differs[0].startswith("train.lr: run has 3e-05") and "train.seed" in differs[1]
+    assert len(differs) == 3 and differs[0].startswith("train.lr: run has 3e-05") and "train.seed" in differs[1]
+    assert differs[2] == "rollout.fp8: run has 'per_tensor', the study sets blockwise"  # a string value
