@@ -22,10 +22,8 @@ What fails unpatched on CPU, and what each patch does (see ../shared/DESIGN.md):
   reports CPU float tensors under their CUDA type names, so those checks see the dtype they test.
 - Not a failure but a cost: bf16 GEMMs (matmul, mm, bmm, baddbmm, addmm, linear with every tensor
   operand bf16) run under the mode as fp32 GEMMs of the bf16 values, the result rounded to bf16
-  once. That is a GPU bf16 GEMM's arithmetic (bf16 x bf16 products are exact in fp32, fp32
-  accumulation, one rounding); the CPU's own bf16 kernels on an AVX2 machine without bf16
-  instructions took 2.6x (x @ W^T), 18x (dy @ W) and 1.6x (dy^T @ x) an fp32 GEMM at SmolLM2's
-  [512, 576] x [576, 1536] (2 threads), and a Megatron bf16 step of the stability study 402 s.
+  once (compat/bf16_gemm.py: a GPU bf16 GEMM's arithmetic); with the CPU's own bf16 kernels a
+  Megatron bf16 step of the stability study took 402 s, with the rule 13 s.
   The mode does not see inside `torch.autograd.backward` (torch 2.13 dispatches that call to the
   mode, and a mode is off while it handles a call), so the backward of Megatron's linear autograd
   Functions, whose dgrad/wgrad are explicit bf16 matmuls, runs under its own bf16-GEMM mode.
@@ -40,6 +38,7 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_fp8rl.compat.bf16_gemm import bf16_gemm_in_fp32, in_bf16_gemm_mode
 from megatron_fp8rl.compat.versions import require
 
 _CPU = torch.device("cpu")
@@ -64,44 +63,9 @@ _CUDA_TYPE_NAMES = {
 }
 
 
-_BF16_GEMMS = frozenset({torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm,
-                         torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm,
-                         torch.nn.functional.linear})
-
-
-def _bf16_gemm_in_fp32(func, args: tuple, kwargs: dict):
-    """A bf16 GEMM as the GPU computes it (module docstring), or None when `func` is not one of
-    _BF16_GEMMS on CPU tensors that are all bf16 (or writes to `out`)."""
-    if func not in _BF16_GEMMS or "out" in kwargs:
-        return None
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if not tensors or any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
-        return None
-
-    def up(value):
-        return value.float() if isinstance(value, torch.Tensor) else value
-
-    return func(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(torch.bfloat16)
-
-
-class _Bf16GemmMode(TorchFunctionMode):
-    """Only the bf16 GEMM rule of `_CudaToCpuMode`: entered inside the backward of Megatron's
-    linear Functions (`_bf16_gemm_backward`)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        result = _bf16_gemm_in_fp32(func, args, kwargs)
-        return func(*args, **kwargs) if result is None else result
-
-
 def _bf16_gemm_backward(backward):
     """`backward` of a custom autograd Function, run with bf16 GEMMs in fp32."""
-
-    def wrapped(ctx, *grads):
-        with _Bf16GemmMode():
-            return backward(ctx, *grads)
-
-    return staticmethod(wrapped)
+    return staticmethod(in_bf16_gemm_mode(backward))
 
 
 class _CudaToCpuMode(TorchFunctionMode):
@@ -109,7 +73,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if (result := _bf16_gemm_in_fp32(func, args, kwargs)) is not None:
+        if (result := bf16_gemm_in_fp32(func, args, kwargs)) is not None:
             return result
         if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]

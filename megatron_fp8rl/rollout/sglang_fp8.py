@@ -3,7 +3,9 @@
 Owns: `Fp8RLConfig` (SGLang `QuantizationConfig`, method name `OUR_FP8_METHOD`), its linear method
 `Fp8RLLinearMethod`, and `register()`, the `sglang.srt.plugins` entry point (setup.py) that SGLang's
 `load_plugins()` runs in its main process, scheduler and detokenizer; it also pins SGLang's
-torch_native attention calls to one thread (models/aligned_threads.py), as the trainer runs them.
+torch_native attention calls to one thread (models/aligned_threads.py), as the trainer runs them,
+and on the CPU engine runs the high-precision linears' and lm_head's bf16 GEMMs as the trainer's
+CPU shims do (compat/bf16_gemm.py: fp32 GEMM of the bf16 values, rounded once).
 Which layers are decoder linears, how SGLang fuses them and the shard ids its loaders pass are the
 model family's (models/families/<family>.py, looked up from the `hf_config` SGLang hands
 `from_config`): a model whose family is unknown, or a linear its family does not list, is refused.
@@ -49,6 +51,7 @@ from sglang.srt.layers.parameter import ModelWeightParameter
 from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
+from megatron_fp8rl.compat.bf16_gemm import patch_sglang_bf16_gemms
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.linear import fp8_matmul_nt, resolve_gemm
 from megatron_fp8rl.fp8.quantize import (
@@ -321,6 +324,7 @@ def register() -> None:
     from sglang.srt.layers import linear, quantization
 
     pin_torch_native_attention_threads()  # the trainer repeats these calls single-threaded
+    patch_sglang_bf16_gemms()  # bf16 rollouts on CPU: the GPU's GEMM arithmetic, ~fp32 speed
 
     quantization.QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig
     quantization.CPU_QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig
