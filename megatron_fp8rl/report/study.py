@@ -66,8 +66,9 @@ ARMS = (
 # The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
 # sampling temperature, two mini-batches per step (so the clip bounds act on a moved policy), and
 # dynamic sampling off (every arm trains on the same prompt stream; it draws extra prompts
-# depending on rewards, which differ between arms). Sized for the issue's <= 3 hours for all runs
-# on a quiet 2-core box (probes 2026-12-03, 4 prompts x 8 samples: a tensorwise step 50-55 s,
+# depending on rewards, which differ between arms); plain GRPO with no rollout correction except
+# on the arm that names TIS (the arms: unified FP8 takes both logprobs from the trainer).
+# Sized for the issue's <= 3 hours for all runs on a quiet 2-core box (probes 2026-12-03, 4 prompts x 8 samples: a tensorwise step 50-55 s,
 # aligned_cc 51 s, a 100-problem FP8 eval 30-38 s; bf16 SGLang evals at half that speed): 2
 # prompts x 8 samples a step, 64 held-out problems at the start and the end.
 FULL = {"train.steps": 30, "data.prompts_per_step": 2, "rollout.n_samples": 8,
@@ -78,7 +79,8 @@ QUICK = {"train.steps": 2, "data.prompts_per_step": 2, "rollout.n_samples": 4,
          "data.eval_size": 8, "train.eval_every": 2}
 COMMON = {"data.train": "builtin:arithmetic", "data.eval": "builtin:arithmetic",
           "data.arithmetic_ops": "[add,mul]", "data.train_size": "1000", "rollout.temperature": "0.7",
-          "algorithm.dynamic_sampling": "false", "algorithm.agg_mode": "seq-mean-token-mean",
+          "algorithm.dynamic_sampling": "false",
+          "algorithm.name": "grpo", "algorithm.correction": "none", "algorithm.agg_mode": "seq-mean-token-mean",
           "train.lr": "3e-5", "checkpoint.every": "0"}
 SEEDS = (1, 2)
 
