@@ -209,6 +209,17 @@ def _same_value(wanted, found) -> bool:
     return wanted == found
 
 
+BULKY = ("checkpoints", "init_megatron", "final_megatron", "rollout_fp8")
+"""Weight folders of a finished run that the report never reads (~3.3 GB of a SmolLM2 run's 3.9 GB;
+twelve runs' worth filled this box's disk): removed after the run unless --keep-weights. The
+trained HF model (hf/, ~0.5 GB) and every log stay."""
+
+
+def prune_weights(run_dir: Path) -> None:
+    for name in BULKY:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+
+
 def run_dir_of(study_dir: Path, setting: Setting, seed: int) -> Path:
     return study_dir / setting.name / f"seed{seed}"
 
@@ -255,6 +266,8 @@ def run_study(args: argparse.Namespace) -> int:
         else:
             timings[label] = seconds
             timings_path.write_text(json.dumps(timings, indent=2))
+            if not args.keep_weights:
+                prune_weights(run_dir)
     finished = {s.name: {str(seed): run_dir_of(study_dir, s, seed) for seed in seeds
                          if (run_dir_of(study_dir, s, seed) / "summary.json").is_file()} for s in settings}
     if any(finished.values()):
@@ -303,6 +316,9 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="RL steps per setting")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests")
     parser.add_argument("--rerun", action="store_true", help="train settings that already finished again")
+    parser.add_argument("--keep-weights", action="store_true",
+                        help="keep each finished run's checkpoints and Megatron/FP8 weight folders (default: "
+                             "removed, only logs and the trained HF model stay)")
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per setting")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
 
