@@ -134,7 +134,7 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
     if gemm == "triton_invariant":
         return _triton_matmul_nt(a, b)
     if gemm == "exact" and _row_or_tensor(a, b) and _exact_sum_fits(a, b):
-        return (_dense(a).double() @ _dense(b).double().t()).float() * _left_scale(a) * _left_scale(b).reshape(1, -1)
+        return (_wide(a) @ _wide(b).t()).float() * _left_scale(a) * _left_scale(b).reshape(1, -1)
     if gemm == "exact" and _same_groups(a, b) and _exact_sum_fits(a, b):
         return _exact_grouped_matmul_nt(a, b)
     if a.granularity != "tensor" or b.granularity != "tensor":
@@ -250,7 +250,13 @@ def _exact_sum_fits(a: Fp8Tensor, b: Fp8Tensor) -> bool:
 
 def _dense(t: Fp8Tensor) -> torch.Tensor:
     """float(t.data): the copy its producer kept (cached weights), else a fresh cast."""
-    return t.dense if t.dense is not None else t.data.float()
+    return t.dense.float() if t.dense is not None else t.data.float()
+
+
+def _wide(t: Fp8Tensor) -> torch.Tensor:
+    """t.data in fp64, the 'exact' GEMM's operand: free when the producer kept an fp64 copy
+    (SGLang's served weights, rollout/sglang_fp8.py), else one cast."""
+    return (t.dense if t.dense is not None else t.data).double()
 
 
 def _is_per_tensor(*tensors: Fp8Tensor) -> bool:

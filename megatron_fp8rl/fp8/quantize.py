@@ -44,13 +44,14 @@ class Fp8Tensor:
     block: tuple[int, int] | None = None
     """Block shape for granularity 'block'."""
     dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """Optional fp32 copy of `data` (exactly `data.float()`), kept by a producer that reuses this
-    tensor (the cached weight quantization in quantizer.py) so GEMMs skip the FP8 -> fp32 cast."""
+    """Optional fp32 or fp64 copy of `data` (the same values), kept by a producer that reuses this
+    tensor (the cached weight quantization in quantizer.py: fp32; SGLang's served weights: fp64,
+    the 'exact' GEMM's operand dtype) so GEMMs skip the cast from FP8."""
     transposed: "Fp8Tensor | None" = field(default=None, repr=False, compare=False)
     """Optional precomputed `t()` (same values, kept by the same producers)."""
     dense_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """Optional contiguous fp32 copy of `data.t()` (2-D), kept by the same producers for block
-    operands: the [K, N] layout in which fp8/linear.py's grouped 'exact' GEMM reads a weight."""
+    """Optional contiguous fp32 or fp64 copy of `data.t()` (2-D), kept by the same producers for
+    block operands: the [K, N] layout in which fp8/linear.py's grouped 'exact' GEMM reads a weight."""
     values: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional fp32 result of `dequantize()` kept by the same producers (the cached weight's
     backward reads it every micro-batch); shared, so callers must not modify what
