@@ -14,15 +14,20 @@ importance ratio r = π_θ/π_old. A negative-advantage token whose high-precisi
 The method (notation: r_s the shadow's ratio, r the FP8 one, on the same tokens at the same θ;
 N⁻ the negative-advantage tokens, N⁺ the positive ones):
 - α = |{t ∈ N⁻ : r_s,t < 1 − ε_low}| / |N⁻|, the share of bad tokens high precision clips.
-- L = the α-quantile of {r_t : t ∈ N⁻}: FP8 clips (r < L) the same share of them. Concretely L is
-  the k-th smallest FP8 ratio with k = round(α·|N⁻|), so exactly k are strictly below it (fewer
-  with ties); k = 0 gives the smallest ratio (nothing clipped).
+- L = the α-quantile of {r_t : t ∈ N⁻}: FP8 clips (r < L) the same share of them. Concretely k =
+  round(α·|N⁻|) FP8 ratios lie strictly below L: every L in (r_(k−1), r_(k)] of the sorted ratios
+  matches, and the one nearest the configured 1 − ε_low is taken (*our* tie-break; with ties at
+  r_(k) fewer lie below). Taking the interval's top instead made a near on-policy first batch
+  (α = 0, every ratio ~1) set L ≈ 0.99 (0.95 after the limit) for the steps after, whose moved
+  ratios it then clipped: the over-clipping the method exists to remove (stability study,
+  tensorwise_cc, 2026-12-03).
 - p = Σ_{t∈N⁺, r≤H} |A_t|·r_t / Σ_{t∈N⁻, r≥L} |A_t|·r_t, the ratio of the positive to the negative
   update magnitude over the tokens the clip leaves active (*our reading* of the paper's
   "rebalanced so the positive/negative update magnitudes match"). p_shadow uses r_s with
-  [1 − ε_low, 1 + ε_high]; H is the smallest FP8 positive ratio at which p_FP8(H) with [L, H]
-  reaches p_shadow. p_FP8 is a non-decreasing step function of H, so sorting the positive tokens
-  by r and taking the first cumulative sum that reaches the target is the exact bisection.
+  [1 − ε_low, 1 + ε_high]; H is where p_FP8(H) with [L, H] first reaches p_shadow. p_FP8 is a
+  non-decreasing step function of H, so sorting the positive tokens by r and taking the first
+  cumulative sum that reaches the target is the exact bisection; that step's p holds on
+  [r_j, r_(j+1)), and H is the point of it nearest the configured 1 + ε_high (the same tie-break).
 - Both bounds are kept within configured limits, smoothed over calibrations,
   b ← β·b_previous + (1 − β)·b_new (the first calibration takes b_new), and used until the next.
 - Sequence level (GSPO, beyond the paper): the same matching over per-sequence ratios s_i and
@@ -94,18 +99,22 @@ def shadow_clip_share(shadow_ratio: torch.Tensor, advantages: torch.Tensor, low:
     return float((shadow_ratio[negative] < low).double().mean())
 
 
-def matched_lower_bound(ratio: torch.Tensor, advantages: torch.Tensor, alpha: float) -> float | None:
-    """L such that round(α·|N⁻|) negative-advantage ratios lie strictly below it (module
-    docstring); None without negative-advantage values."""
+def matched_lower_bound(ratio: torch.Tensor, advantages: torch.Tensor, alpha: float,
+                        prefer: float) -> float | None:
+    """L such that round(α·|N⁻|) negative-advantage ratios lie strictly below it, the one nearest
+    `prefer` (the configured lower bound; module docstring); None without negative-advantage
+    values."""
     if not 0 <= alpha <= 1:
         raise RLInputError(f"alpha must be in [0, 1], got {alpha}")
     negative = torch.sort(ratio[advantages < 0]).values
     if negative.numel() == 0:
         return None
     k = round(alpha * negative.numel())
-    if k >= negative.numel():
-        return math.nextafter(float(negative[-1]), math.inf)
-    return float(negative[k])
+    above = float(negative[k]) if k < negative.numel() else math.inf  # L <= this
+    below = float(negative[k - 1]) if k > 0 else -math.inf  # L > this
+    if below >= above:  # ties at r_(k): no L has exactly k below; fewer
+        return above
+    return min(max(prefer, math.nextafter(below, math.inf)), above)
 
 
 def update_balance(ratio: torch.Tensor, advantages: torch.Tensor, bounds: ClipBounds) -> float | None:
@@ -118,11 +127,12 @@ def update_balance(ratio: torch.Tensor, advantages: torch.Tensor, bounds: ClipBo
 
 
 def rebalanced_upper_bound(ratio: torch.Tensor, advantages: torch.Tensor, low: float,
-                           target: float) -> float | None:
-    """The smallest H among the positive-advantage ratios with p(H) >= `target` for the interval
-    [low, H] (module docstring); for a target of 0, just below the smallest of them (none active);
-    the largest positive ratio when even that falls short; None
-    without positive-advantage values or without active negative magnitude."""
+                           target: float, prefer: float) -> float | None:
+    """H for the interval [low, H] where p(H) first reaches `target`, the point nearest `prefer`
+    (the configured upper bound) among those with that step's p (module docstring); for a
+    target of 0, below the smallest positive ratio (none active); at or above the largest when
+    even that falls short; None without positive-advantage values or without active negative
+    magnitude."""
     negative = (advantages < 0) & (ratio >= low)
     denominator = float((advantages.abs() * ratio)[negative].sum())
     positive = advantages > 0
@@ -130,12 +140,16 @@ def rebalanced_upper_bound(ratio: torch.Tensor, advantages: torch.Tensor, low: f
         return None
     order = torch.argsort(ratio[positive])
     sorted_ratio = ratio[positive][order]
-    if target <= 0:  # nothing may stay active: just below the smallest positive ratio
-        return math.nextafter(float(sorted_ratio[0]), -math.inf)
+    if target <= 0:  # nothing may stay active: below the smallest positive ratio
+        return min(prefer, math.nextafter(float(sorted_ratio[0]), -math.inf))
     cumulative = torch.cumsum((advantages[positive].abs() * ratio[positive])[order], dim=0)
     # relative slack: p·denominator round-trips through a division (1 ulp must not skip a token)
     reached = (cumulative >= target * denominator * (1 - 1e-12)).nonzero()
-    return float(sorted_ratio[reached[0, 0]] if reached.numel() else sorted_ratio[-1])
+    j = int(reached[0, 0]) if reached.numel() else sorted_ratio.numel() - 1
+    first = float(sorted_ratio[j])  # H >= this
+    larger = sorted_ratio[sorted_ratio > first]
+    limit = math.nextafter(float(larger[0]), -math.inf) if larger.numel() else math.inf  # same p up to here
+    return min(max(prefer, first), limit)
 
 
 def smoothed(previous: float | None, new: float, smoothing: float) -> float:
@@ -209,10 +223,10 @@ def calibrate(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch
         return Calibration(current, reason, nan, nan, nan, {}, {})
     before = clip_diagnostic(ratio, shadow_ratio, advantages, current, configured)
     alpha = shadow_clip_share(shadow_ratio, advantages, configured.low)
-    low = current.low if alpha is None else matched_lower_bound(ratio, advantages, alpha)
+    low = current.low if alpha is None else matched_lower_bound(ratio, advantages, alpha, configured.low)
     low = min(max(smoothed(previous and previous.low, low, smoothing), limits.low_min), limits.low_max)
     target = update_balance(shadow_ratio, advantages, configured)
-    high = None if target is None else rebalanced_upper_bound(ratio, advantages, low, target)
+    high = None if target is None else rebalanced_upper_bound(ratio, advantages, low, target, configured.high)
     high = current.high if high is None else smoothed(previous and previous.high, high, smoothing)
     bounds = limits.clamp(ClipBounds(low, max(high, 1.0)))
     after = clip_diagnostic(ratio, shadow_ratio, advantages, bounds, configured)

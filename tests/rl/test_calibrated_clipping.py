@@ -36,11 +36,16 @@ def test_hand_computed_lower_bound_and_share():
     adv = _t(-1, -1, -1, -1, -1, 2)
     alpha = shadow_clip_share(shadow, adv, PLAIN.low)
     assert alpha == pytest.approx(0.4)
-    # k = round(0.4 * 5) = 2: the 3rd smallest FP8 negative ratio; 0.60 and 0.78 lie below it
-    assert matched_lower_bound(fp8, adv, alpha) == pytest.approx(0.79)
-    assert matched_lower_bound(fp8, adv, 0.0) == pytest.approx(0.60)  # nothing strictly below
-    assert matched_lower_bound(fp8, adv, 1.0) > 1.05  # everything below
-    assert matched_lower_bound(fp8, _t(1, 1, 1, 1, 1, 1), 0.5) is None
+    # k = round(0.4 * 5) = 2: L in (0.78, 0.79] keeps 0.60 and 0.78 below; nearest 0.8 is 0.79
+    assert matched_lower_bound(fp8, adv, alpha, PLAIN.low) == pytest.approx(0.79)
+    assert matched_lower_bound(fp8, adv, alpha, 0.785) == 0.785  # inside the matching interval
+    assert 0.78 < matched_lower_bound(fp8, adv, alpha, 0.5) < 0.78 + 1e-12  # just above r_(k-1)
+    assert matched_lower_bound(fp8, adv, 0.0, PLAIN.low) == pytest.approx(0.60)  # nothing strictly below
+    assert matched_lower_bound(fp8, adv, 0.0, 0.5) == 0.5
+    assert matched_lower_bound(fp8, adv, 1.0, PLAIN.low) > 1.05  # everything below
+    assert matched_lower_bound(fp8, _t(1, 1, 1, 1, 1, 1), 0.5, PLAIN.low) is None
+    # ties at r_(k): no L has exactly k below; r_(k) (fewer below)
+    assert matched_lower_bound(_t(0.7, 0.7, 0.9), _t(-1, -1, -1), 1 / 3, PLAIN.low) == pytest.approx(0.7)
     assert shadow_clip_share(shadow, _t(1, 1, 1, 1, 1, 1), 0.8) is None
 
 
@@ -49,11 +54,17 @@ def test_hand_computed_balance_and_upper_bound():
     adv = _t(-2, -1, 1, 1, 1)
     # active negatives: 2*0.9 + 1*1.0 = 2.8; positives up to H=1.28: 1.1 -> p = 1.1 / 2.8
     assert update_balance(ratio, adv, PLAIN) == pytest.approx(1.1 / 2.8)
-    # target 2.4/2.8 (1.1 + 1.3 active): the smallest H reaching it is 1.3
-    assert rebalanced_upper_bound(ratio, adv, 0.8, 2.4 / 2.8) == pytest.approx(1.3)
-    assert rebalanced_upper_bound(ratio, adv, 0.8, 0.1) == pytest.approx(1.1)
-    assert rebalanced_upper_bound(ratio, adv, 0.8, 99.0) == pytest.approx(1.5)  # falls short: max
-    assert rebalanced_upper_bound(ratio, _t(1, 1, 1, 1, 1), 0.8, 1.0) is None  # no negatives
+    # target 2.4/2.8 (1.1 + 1.3 active): reached from H = 1.3 on, the same p up to 1.5; nearest 1.28: 1.3
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 2.4 / 2.8, PLAIN.high) == pytest.approx(1.3)
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 2.4 / 2.8, 1.4) == 1.4
+    assert 1.5 - 1e-12 < rebalanced_upper_bound(ratio, adv, 0.8, 2.4 / 2.8, 2.0) < 1.5  # below 1.5's step
+    # target 0.1: reached at 1.1, the same p on [1.1, 1.3): the configured 1.28 itself
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 0.1, PLAIN.high) == pytest.approx(1.28)
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 0.1, 1.05) == pytest.approx(1.1)
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 99.0, PLAIN.high) == pytest.approx(1.5)  # falls short
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 99.0, 1.7) == 1.7  # any H >= 1.5 keeps every positive
+    assert rebalanced_upper_bound(ratio, adv, 0.8, 0.0, PLAIN.high) < 1.1  # none active
+    assert rebalanced_upper_bound(ratio, _t(1, 1, 1, 1, 1), 0.8, 1.0, PLAIN.high) is None  # no negatives
     assert update_balance(ratio, _t(1, 1, 1, 1, 1), PLAIN) is None
 
 
@@ -117,6 +128,22 @@ def test_fp8_noise_moves_the_lower_bound_down_and_removes_the_overclipping():
     assert fp8_share == pytest.approx(out.alpha, abs=1 / negative.sum().item() + 1e-12)
     assert out.after["neg_overclip"] < out.before["neg_overclip"] / 2
     assert out.balance_fp8 == pytest.approx(out.balance_shadow, rel=0.02)
+
+
+def test_a_near_on_policy_batch_keeps_the_configured_interval():
+    """α = 0 and every ratio within 1% of 1 (the first mini-batch after a small step): any L below
+    the smallest ratio and any H above the largest match the shadow; the configured bounds are
+    among them and stay. Before the tie-break L became the smallest ratio (~0.99) and H the
+    smallest positive one, an interval that clipped the next steps' moved ratios."""
+    gen = torch.Generator().manual_seed(1)
+    n = 200
+    adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    shadow = (1 + 0.003 * torch.randn(n, generator=gen)).double()
+    fp8 = shadow * (1 + 0.002 * torch.randn(n, generator=gen)).double()
+    out = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, WIDE, 0.0)
+    assert out.alpha == 0.0
+    assert out.bounds == PLAIN, out.bounds
+    assert out.after["neg_overclip"] == 0.0
 
 
 ratios = st.lists(st.floats(0.05, 3.0), min_size=1, max_size=60)
