@@ -68,9 +68,11 @@ ARMS = (
 # dynamic sampling off (every arm trains on the same prompt stream; it draws extra prompts
 # depending on rewards, which differ between arms); plain GRPO with no rollout correction except
 # on the arm that names TIS (the arms: unified FP8 takes both logprobs from the trainer).
-# Sized for the issue's <= 3 hours for all runs on a quiet 2-core box (probes 2026-12-03, 4 prompts x 8 samples: a tensorwise step 50-55 s,
-# aligned_cc 51 s, a 100-problem FP8 eval 30-38 s; bf16 SGLang evals at half that speed): 2
-# prompts x 8 samples a step, 64 held-out problems at the start and the end.
+# Sizes: 2 prompts x 8 samples a step, 64 held-out problems at the start and the end. Measured on
+# a quiet 2-core box (2026-12-03): tensorwise 1226 s a run, blockwise 1599 s, aligned 1744 s (a
+# test suite ran beside it for 10 of its minutes), a step 32-45 s (rollout 8-11, recompute 6-9,
+# train 17-24); twelve runs take ~4.5 hours, over the 3: split across invocations (a
+# finished run is kept) or shorten with --steps.
 FULL = {"train.steps": 30, "data.prompts_per_step": 2, "rollout.n_samples": 8,
         "rollout.max_new_tokens": 16, "train.micro_batch_size": 8, "train.mini_batches": 2,
         "data.eval_size": 64, "train.eval_every": 30}
