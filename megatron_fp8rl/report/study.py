@@ -218,8 +218,10 @@ trained HF model (hf/, ~0.5 GB) and every log stay."""
 
 
 def prune_weights(run_dir: Path) -> None:
+    """Remove the BULKY folders a run wrote (a deletion that fails raises: the disk would fill)."""
     for name in BULKY:
-        shutil.rmtree(run_dir / name, ignore_errors=True)
+        if (run_dir / name).exists():
+            shutil.rmtree(run_dir / name)
 
 
 def run_dir_of(study_dir: Path, setting: Setting, seed: int) -> Path:
