@@ -211,10 +211,11 @@ def _same_value(wanted, found) -> bool:
     return wanted == found
 
 
-BULKY = ("checkpoints", "init_megatron", "final_megatron", "rollout_fp8")
-"""Weight folders of a finished run that the report never reads (~3.3 GB of a SmolLM2 run's 3.9 GB;
-twelve runs' worth filled this box's disk): removed after the run unless --keep-weights. The
-trained HF model (hf/, ~0.5 GB) and every log stay."""
+BULKY = ("checkpoints", "init_megatron", "final_megatron", "rollout_fp8", "hf")
+"""Weight folders of a finished run that the report never reads (3.9 GB of a SmolLM2 run's ~4 GB;
+twelve runs' worth filled this box's disk): removed after the run unless --keep-weights. Every
+log stays (tb/, train.log, config.yaml, summary.json, eval_correct.json: under 1 MB a run), so a
+study directory can be kept in git and its finished runs reused on another machine."""
 
 
 def prune_weights(run_dir: Path) -> None:
@@ -304,7 +305,7 @@ def _model_path(model: Path) -> Path:
 
 
 def add_study_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--study-dir", default="runs/stability",
+    parser.add_argument("--study-dir", default="results/stability",
                         help="<arm>/seed<k>/ run directories, timings.json, report/")
     parser.add_argument("--model", default=str(REPO / ".cache" / "smollm2"),
                         help="HF checkpoint (default: SmolLM2-135M-Instruct, materialized on first use)")
@@ -321,8 +322,8 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests")
     parser.add_argument("--rerun", action="store_true", help="train settings that already finished again")
     parser.add_argument("--keep-weights", action="store_true",
-                        help="keep each finished run's checkpoints and Megatron/FP8 weight folders (default: "
-                             "removed, only logs and the trained HF model stay)")
+                        help="keep each finished run's checkpoints and weight folders, the trained HF model "
+                             "included (default: removed, only the logs stay)")
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per setting")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
 

@@ -81,11 +81,10 @@ def test_real_run_logs_the_ratio_quantiles_the_report_plots(study):
     assert any(tag.endswith("linear_fc1.input/saturated_fraction") for tag in fp8)
 
 
-def test_finished_runs_keep_logs_and_the_hf_model_not_the_weight_folders(study):
+def test_finished_runs_keep_their_logs_not_the_weight_folders(study):
     """The study removes what the report never reads (report/study.py BULKY) once a run finished."""
     from megatron_fp8rl.report.study import BULKY
 
     run = study / "tensorwise" / "seed1"
     assert (run / "summary.json").is_file() and (run / "tb").is_dir() and (run / "eval_correct.json").is_file()
-    assert (run / "hf" / "config.json").is_file()
     assert not [name for name in BULKY if (run / name).exists()], sorted(p.name for p in run.iterdir())
