@@ -1,7 +1,17 @@
-"""The 'exact' FP8 GEMM (fp8/linear.py) at SmolLM2-135M's decoder linears, as SGLang's aligned
-rollouts run it: weight codes kept in fp32 and widened to fp64 per call (before 07e27bf) against
-kept in fp64 (rollout/sglang_fp8.py now), with a plain fp32 GEMM of the same shapes as the
-baseline measured in the same run. One thread; per decoder layer (qkv, o, gate_up, down).
+"""The CPU tier's batch-invariant FP8 GEMMs (fp8/linear.py) at SmolLM2-135M's decoder linears, as
+SGLang's aligned rollouts run them, against a plain fp32 GEMM of the same shapes measured in the
+same run. One thread; per decoder layer (qkv, o, gate_up, down); two layouts: per-tensor scales
+(the calibrated recipe) and 1x32 groups (groupwise32, the demo's default).
+
+- exact, fp32 codes: 'exact' with the weight codes kept in fp32, widened to fp64 per call
+  (per-tensor only; before 07e27bf)
+- exact, fp64 codes: 'exact' with the codes kept in fp64 (what SGLang kept until 'tiled')
+- tiled: 'tiled' with the codes (per tensor) or dequantized values (1x32) kept in fp32 (what
+  'batch_invariant' runs on CPU now, SGLang's kept weights)
+- fp32 GEMM: x @ w^T of the same values, no scales (the floor)
+
+Checks, exiting non-zero on a failure: 'exact' gives the same bits from fp32 and fp64 codes;
+'tiled' gives a row the same bits alone as among the others.
 
     python bench/exact_gemm.py [--rows 16 600] [--repeat 30]
 """
@@ -16,11 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_fp8rl.fp8.formats import E4M3  # noqa: E402
 from megatron_fp8rl.fp8.linear import fp8_matmul_nt  # noqa: E402
-from megatron_fp8rl.fp8.quantize import Fp8Tensor  # noqa: E402
+from megatron_fp8rl.fp8.quantize import Fp8Tensor, quantize_blockwise, transposed_codes  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 """SmolLM2-135M's fused decoder linears, [N, K]."""
+COLUMNS = ("exact32", "exact64", "tiled", "gemm")
 
 
 def _ms(fn, repeat: int) -> float:
@@ -31,6 +43,33 @@ def _ms(fn, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat * 1e3
 
 
+def _operands(layout: str, rows: int, n: int, k: int, gen: torch.Generator):
+    """(x, {column: weight operand}, x values, w values) for one linear."""
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05
+    if layout == "tensor":
+        one = torch.tensor(1.0)
+        a, codes = Fp8Tensor(x.to(torch.float8_e4m3fn), one, "tensor"), w.to(torch.float8_e4m3fn)
+        weights = {"exact32": Fp8Tensor(codes, one, "tensor", dense=codes.float()),
+                   "exact64": Fp8Tensor(codes, one, "tensor", dense=codes.double()),
+                   "tiled": Fp8Tensor(codes, one, "tensor", dense=codes.float())}
+        return a, weights, a.data.float(), codes.float()
+    a, b = quantize_blockwise(x, E4M3, (1, 32)), quantize_blockwise(w, E4M3, (1, 32))
+    codes_t = transposed_codes(b.data)
+    weights = {"exact64": Fp8Tensor(b.data, b.scale_inv, "block", b.block, dense_t=codes_t.double()),
+               "tiled": Fp8Tensor(b.data, b.scale_inv, "block", b.block, values=b.dequantize())}
+    return a, weights, a.data.float(), b.data.float()
+
+
+def _check(layout: str, a: Fp8Tensor, weights: dict) -> None:
+    if "exact32" in weights and not torch.equal(fp8_matmul_nt(a, weights["exact32"], "exact"),
+                                                fp8_matmul_nt(a, weights["exact64"], "exact")):
+        raise SystemExit(f"{layout}: fp32 and fp64 weight codes gave 'exact' different bits")
+    full = fp8_matmul_nt(a, weights["tiled"], "tiled")
+    row = Fp8Tensor(a.data[-1:], a.scale_inv if a.granularity == "tensor" else a.scale_inv[-1:], a.granularity, a.block)
+    if not torch.equal(fp8_matmul_nt(row, weights["tiled"], "tiled"), full[-1:]):
+        raise SystemExit(f"{layout}: 'tiled' gave the last row other bits alone than among the others")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 600], help="activation rows (decode, prefill)")
@@ -38,23 +77,22 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    one = torch.tensor(1.0)
-    print(f"{'rows':>5} {'fp32 codes':>11} {'fp64 codes':>11} {'fp32 GEMM':>10}  fp64/fp32-codes  fp64-codes/fp32-GEMM")
-    for rows in args.rows:
-        total = {"fp32": 0.0, "fp64": 0.0, "gemm": 0.0}
-        for n, k in SHAPES.values():
-            x = torch.randn(rows, k, generator=gen).to(torch.float8_e4m3fn)
-            w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn)
-            a = Fp8Tensor(x, one, "tensor")
-            kept32, kept64 = Fp8Tensor(w, one, "tensor", dense=w.float()), Fp8Tensor(w, one, "tensor", dense=w.double())
-            if not torch.equal(fp8_matmul_nt(a, kept32, "exact"), fp8_matmul_nt(a, kept64, "exact")):
-                raise SystemExit("fp32 and fp64 weight codes gave different bits")
-            xf, wf = x.float(), w.float()
-            total["fp32"] += _ms(lambda: fp8_matmul_nt(a, kept32, "exact"), args.repeat)
-            total["fp64"] += _ms(lambda: fp8_matmul_nt(a, kept64, "exact"), args.repeat)
-            total["gemm"] += _ms(lambda: xf @ wf.t(), args.repeat)
-        print(f"{rows:>5} {total['fp32']:>9.2f}ms {total['fp64']:>9.2f}ms {total['gemm']:>8.2f}ms  "
-              f"{total['fp64'] / total['fp32']:>15.2f}x  {total['fp64'] / total['gemm']:>19.2f}x")
+    print(f"{'layout':>7} {'rows':>5} {'exact,fp32 codes':>17} {'exact,fp64 codes':>17} {'tiled':>9} "
+          f"{'fp32 GEMM':>10}  exact64/GEMM  tiled/GEMM  tiled/exact64")
+    for layout in ("tensor", "1x32"):
+        for rows in args.rows:
+            total = dict.fromkeys(COLUMNS, 0.0)
+            for n, k in SHAPES.values():
+                a, weights, xf, wf = _operands(layout, rows, n, k, gen)
+                _check(layout, a, weights)
+                for column, weight in weights.items():
+                    gemm = "tiled" if column == "tiled" else "exact"
+                    total[column] += _ms(lambda: fp8_matmul_nt(a, weight, gemm), args.repeat)
+                total["gemm"] += _ms(lambda: xf @ wf.t(), args.repeat)
+            cells = [f"{total[c]:.2f}ms" if total[c] else "-" for c in COLUMNS]
+            print(f"{layout:>7} {rows:>5} {cells[0]:>17} {cells[1]:>17} {cells[2]:>9} {cells[3]:>10}  "
+                  f"{total['exact64'] / total['gemm']:>11.2f}x  {total['tiled'] / total['gemm']:>9.2f}x  "
+                  f"{total['tiled'] / total['exact64']:>12.2f}x")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Settings (rollout / trainer; every rollout samples the same prompts at temperatu
                   shows when the arithmetic before each quantization is merely close rather than
                   identical (DESIGN hazard 3; FP8 rounding amplifies ulp differences through 30
                   layers). The aligned row avoids it with identical arithmetic on both sides: the
-                  'exact' FP8 GEMM (fp8/linear.py: the exact sum, whatever the batch) and the
+                  batch-invariant FP8 GEMM ('tiled' on CPU, fp8/linear.py: a row's bits whatever
+                  the batch) and the
                   trainer's attention repeating SGLang's torch_native calls
                   (models/megatron_attention.py, the trainer's logprob forward does the same).
 Mismatch per setting over all sampled tokens (rl.metrics.mismatch_metrics): mean |delta logp|,
@@ -52,7 +53,8 @@ def _megatron(hf_dir: Path, mcore: Path, recipe=None, dtype=torch.float32):
     if not mcore.exists():
         meta = build_model_from_hf(hf_config, device="meta")
         convert_hf_to_megatron(hf_dir, mcore, meta.sharded_state_dict(), progress=False)
-    model = build_model_from_hf(hf_config, fp8_recipe=recipe, params_dtype=dtype).eval()
+    # the trainer's GEMM under aligned rollouts (RunConfig.trainer_fp8_gemm)
+    model = build_model_from_hf(hf_config, fp8_recipe=recipe, params_dtype=dtype, fp8_gemm="batch_invariant").eval()
     sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
     model.load_state_dict(dist_checkpointing.load(sharded, str(mcore)), strict=False)
     return model

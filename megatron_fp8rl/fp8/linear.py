@@ -33,6 +33,19 @@ The FP8 GEMM (`gemm` argument, GEMMS):
                      nothing but that row and the weight. Other operands (E5M2 gradients, K
                      above the bound, other block shapes) fall back to 'fp32_accumulate' (block
                      operands: dequantize + fp32 matmul); the backward always does;
+- 'tiled':           batch-invariant fp32 GEMM for CPU (what 'batch_invariant' selects there): the
+                     'fp32_accumulate' arithmetic (block operands: their dequantized values, each
+                     code times its multiplier in fp32, in one fp32 GEMM), computed TILE_ROWS
+                     rows of a at a time, zero rows padding the last tile. Every call then
+                     has the same shape whatever M is, and a row's bits depend on nothing but that
+                     row and the weight: CPU BLAS picks its kernel by shape (M = 1 or 2 rows take
+                     another path than 16 and give other bits) and computes the rows of one call
+                     alike wherever they sit (tests/fp8/test_tiled_gemm.py checks both, with 1 and 2
+                     threads). Not exact, so unlike 'exact' it is not the sum 'exact' gives, but
+                     trainer and SGLang compute the same bits from the same codes in any layout.
+                     Faster than 'exact' (one fp32 GEMM instead of fp64 ones, and for groups
+                     no per-group passes: `python bench/exact_gemm.py`). The backward runs
+                     'fp32_accumulate';
 - 'triton_invariant': fp8/triton_gemm.py's Triton kernel: fixed tiles, no split-K, fp32
                      accumulation in a fixed K order, so a row's result does not depend on M either
                      (batch-invariant on GPU, where 'exact' would be slow and cuBLASLt's algorithm
@@ -44,7 +57,7 @@ The FP8 GEMM (`gemm` argument, GEMMS):
                      `_scaled_mm` (no AMX here) runs ~100x slower than an fp32 matmul (measured:
                      1 s for 256x64x192), which would make the CPU tier's training unusable;
 - 'batch_invariant': what aligned rollouts select on both sides (trainer and SGLang's `fp8rl`
-                     method): 'triton_invariant' on CUDA, 'exact' on CPU.
+                     method): 'triton_invariant' on CUDA, 'tiled' on CPU.
 Q_g uses the recipe's backward format: E5M2 under 'hybrid', E4M3 under 'e4m3'. When an operand
 is not per-tensor (blockwise recipes: `_scaled_mm` on CPU rejects 128x128 block scales, and
 1x128 activation groups split the wgrad's contraction dimension), that GEMM runs as dequantize +
@@ -71,13 +84,17 @@ from megatron_fp8rl.fp8.quantizer import Fp8Quantizers, make_quantizers
 from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, Fp8Recipe
 
 EXTRA_STATE_VERSION = 1
-GEMMS = ("auto", "batch_invariant", "scaled_mm", "fp32_accumulate", "exact", "triton_invariant")
+GEMMS = ("auto", "batch_invariant", "scaled_mm", "fp32_accumulate", "exact", "tiled", "triton_invariant")
 EXACT_MAX_K = 2**17
 """Longest contraction for which fp64 sums of E4M3 x E4M3 products are exact (module docstring)."""
 EXACT_ROW_CHUNK = 64
 """Rows per pass of the grouped 'exact' GEMM: the fp64 partial sums stay in cache (2048x576x1536,
 CPU time on the dev box: 91 ms in 64-row passes, 213 ms as one batched product over all rows;
 32 and 128 rows were no faster; 2026-12-03, 1x32 groups, 960 rows: 8, 16, 32 rows slower)."""
+TILE_ROWS = 16
+"""Rows of a per GEMM call of 'tiled' (module docstring): at least 5 rows so that CPU BLAS takes
+its GEMM kernel (1 and 2 rows take a GEMV path with other bits), and a decode step's few rows
+waste little padding."""
 EXACT_SLAB_BYTES = 4 * 2**20
 """fp64 group sums one batched GEMM of the grouped 'exact' GEMM writes at most (a slab of
 consecutive K groups). 2026-12-03, 2-core box, 1x32 groups, 960 rows x (K -> N): 576 -> 3072
@@ -87,13 +104,13 @@ consecutive K groups). 2026-12-03, 2-core box, 1x32 groups, 960 rows x (K -> N):
 
 def resolve_gemm(gemm: str, device: torch.device) -> str:
     """'auto' -> 'scaled_mm' on CUDA, 'exact' elsewhere; 'batch_invariant' -> 'triton_invariant'
-    on CUDA, 'exact' elsewhere; ValueError for unknown names."""
+    on CUDA, 'tiled' elsewhere; ValueError for unknown names."""
     if gemm not in GEMMS:
         raise ValueError(f"unknown FP8 gemm {gemm!r}; valid: {', '.join(GEMMS)}")
     if gemm == "auto":
         return "scaled_mm" if device.type == "cuda" else "exact"
     if gemm == "batch_invariant":
-        return "triton_invariant" if device.type == "cuda" else "exact"
+        return "triton_invariant" if device.type == "cuda" else "tiled"
     return gemm
 
 
@@ -124,7 +141,7 @@ def _backward_gemm(gemm: str, device: torch.device) -> str:
     forward), so the invariant GEMMs hand the backward to the fast one of the device."""
     if gemm == "triton_invariant":
         return "scaled_mm" if device.type == "cuda" else "fp32_accumulate"
-    return "fp32_accumulate" if gemm == "exact" else gemm
+    return "fp32_accumulate" if gemm in ("exact", "tiled") else gemm
 
 
 def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.Tensor:
@@ -137,6 +154,8 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
         return (_wide(a) @ _wide(b).t()).float() * _left_scale(a) * _left_scale(b).reshape(1, -1)
     if gemm == "exact" and _same_groups(a, b) and _exact_sum_fits(a, b):
         return _exact_grouped_matmul_nt(a, b)
+    if gemm == "tiled":
+        return _tiled_matmul_nt(a, b)
     if a.granularity != "tensor" or b.granularity != "tensor":
         return a.dequantize() @ b.dequantize().t()
     if gemm == "scaled_mm":
@@ -164,6 +183,39 @@ def _triton_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     raise ValueError(f"triton_invariant FP8 GEMM: operands {a.granularity} {a.block} x {b.granularity} {b.block} "
                      f"(shapes {tuple(a.data.shape)} x {tuple(b.data.shape)}) are not supported; per-tensor x "
                      f"per-tensor, or block (1, {GROUP}) x block ({GROUP}, {GROUP}) or (1, {GROUP})")
+
+
+def _tiled_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+    """'tiled' (module docstring): per-tensor and per-row operands multiply their codes and scale
+    the product; block operands multiply their dequantized values (each element code x
+    multiplier in fp32; a cached weight's are kept, `Fp8Tensor.values`)."""
+    if _row_or_tensor(a, b):
+        weight = _dense(b).contiguous()  # [n, k]: both sides hand BLAS the same layout
+        y = _tiles(_dense(a), weight.shape[0], lambda rows: torch.mm(rows, weight.t()))
+        return y.mul_(_left_scale(a)).mul_(_left_scale(b).reshape(1, -1))  # y: a fresh tensor
+    weight = b.dequantize().contiguous()
+    return _tiles(a.dequantize(), weight.shape[0], lambda rows: torch.mm(rows, weight.t()))
+
+
+def _padded_rows(rows: torch.Tensor) -> torch.Tensor:
+    """rows [r <= TILE_ROWS, ...] with zero rows appended up to TILE_ROWS."""
+    if rows.shape[0] == TILE_ROWS:
+        return rows
+    out = rows.new_zeros((TILE_ROWS, *rows.shape[1:]))
+    out[:rows.shape[0]] = rows
+    return out
+
+
+def _tiles(a: torch.Tensor, n: int, gemm) -> torch.Tensor:
+    """gemm(tile) [TILE_ROWS, n] for each TILE_ROWS rows of a [m, k] (fp32, the last tile padded
+    with zero rows), concatenated to [m, n]."""
+    parts = []
+    for first in range(0, a.shape[0], TILE_ROWS):
+        out = gemm(_padded_rows(a[first:first + TILE_ROWS].float()))
+        parts.append(out[:min(TILE_ROWS, a.shape[0] - first)])
+    if not parts:
+        return a.new_zeros((0, n), dtype=torch.float32)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _same_groups(a: Fp8Tensor, b: Fp8Tensor) -> bool:

@@ -118,7 +118,7 @@ def _kernel(device: torch.device):
         raise RuntimeError(
             "triton_invariant FP8 GEMM: CPU tensors run only under Triton's interpreter and "
             "TRITON_INTERPRET is not set to 1 in this process; set it (tests, the CPU bench) or use "
-            "gemm='exact', the CPU tier's batch-invariant GEMM"
+            "gemm='tiled', the CPU tier's batch-invariant GEMM"
         )
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"triton_invariant FP8 GEMM: tensors on {device} are not supported (cuda, or cpu "

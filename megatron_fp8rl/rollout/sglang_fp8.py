@@ -23,14 +23,14 @@ Checkpoint layouts served (what convert/fp8_export.py writes; `quant_method: fp8
 Arithmetic (DESIGN hazard 3): static per-tensor activations with a uniform weight scale (the
 aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv` then the
 trainer's own `fp8_matmul_nt` (fp8/linear.py) with the config's GEMM, by default
-'batch_invariant' ('exact' on CPU, the Triton kernel 'triton_invariant' on CUDA: a row's bits do
+'batch_invariant' ('tiled' on CPU, the Triton kernel 'triton_invariant' on CUDA: a row's bits do
 not depend on the batch, so decode steps and the trainer's whole-sequence recompute agree), bias
 added in fp32, cast to the activation dtype. Other layouts (block scales, dynamic per-token
 activations, fused shards with unequal weight scales) dequantize the same FP8 values and run one
 fp32 matmul (what the trainer does for non-per-tensor operands; not batch-invariant on GPU),
 except block weights whose fused shards tile their block grid (always so for 1x128 groups): those
-run `fp8_matmul_nt` with 1 x bk activation groups, the trainer's groupwise arithmetic ('exact' on
-CPU: per-group exact sums; the Triton kernel on CUDA). A config naming 'triton_invariant' raises
+run `fp8_matmul_nt` with 1 x bk activation groups, the trainer's groupwise arithmetic ('tiled' on
+CPU: per-group fp32 sums in fixed tiles; the Triton kernel on CUDA). A config naming 'triton_invariant' raises
 for every layout the kernel has no code for.
 SGLang 0.5.23 facts this relies on: the config's `weight_block_size` attribute must be square or
 None (SGLang's CPU padding asserts it; 1x128 groups are kept as `block` only); fused qkv/gate_up layers load one scale per shard through the
@@ -250,34 +250,48 @@ class Fp8RLLinearMethod(LinearMethodBase):
         for name in names:
             if torch.isnan(getattr(layer, name)).any():
                 raise ValueError(f"{self.prefix}.{name} was not loaded (check the FP8 checkpoint names)")
-        layer.fp8rl_codes = self._exact_codes(layer)
+        layer.fp8rl_gemm_weight = self._gemm_weight(layer)
         if self.block is None:
             scales = layer.weight_scale.detach()
             layer.fp8rl_uniform_weight_scale = bool((scales == scales[0]).all())
             widths = torch.tensor(layer.fp8rl_shards, device=scales.device)
             layer.fp8rl_row_scale_inv = scales.repeat_interleave(widths)[:, None].clone()
 
-    def _exact_codes(self, layer) -> torch.Tensor | None:
-        """An fp64 copy of the FP8 weight codes in the layout the 'exact' GEMM reads (per tensor
-        [N, K], `Fp8Tensor.dense`; block [K, N], `dense_t`), so decode steps do not widen the
-        whole weight again each call; 8 bytes per weight element, refreshed with every load.
-        None where another GEMM runs. `python bench/exact_gemm.py` (SmolLM2's four linears of a
-        layer, 16 decode rows, one thread, two runs beside a training job): fp32 codes widened
-        per call 6.2-6.6 ms, these 5.0-5.3 ms, an fp32 GEMM 2.0 ms; same bits (the bench checks)."""
-        if resolve_gemm(self.config.gemm, layer.weight.device) != "exact":
-            return None
+    def _gemm_weight(self, layer) -> torch.Tensor | None:
+        """The widened weight the CPU GEMM reads, kept so that decode steps do not widen the whole
+        weight again each call (refreshed with every load; None where another GEMM runs):
+        'exact': the codes in fp64 (per tensor [N, K], `Fp8Tensor.dense`; block [K, N],
+        `dense_t`); 'tiled': per tensor the codes in fp32 (`dense`), block the dequantized
+        values in fp32 [N, K] (`values`). `python bench/exact_gemm.py` (SmolLM2's four linears
+        of a layer, 16 decode rows, one thread, beside a training job): 'exact' with fp32 codes
+        widened per call 6.2-6.6 ms, with kept fp64 codes 5.0-5.3 ms (same bits, the bench
+        checks), an fp32 GEMM 2.0 ms."""
+        gemm = resolve_gemm(self.config.gemm, layer.weight.device)
         codes = layer.weight.detach()
-        return (codes if self.block is None else transposed_codes(codes)).double()
+        if gemm == "exact":
+            return (codes if self.block is None else transposed_codes(codes)).double()
+        if gemm != "tiled":
+            return None
+        if self.block is None:
+            return codes.float()
+        if not self._tiles_block_grid(layer):
+            return None  # _weight dequantizes shard by shard
+        return dequantize_blockwise(codes, layer.weight_scale_inv.detach(), self.block)
+
+    def _tiles_block_grid(self, layer) -> bool:
+        """Whether the fused shards' scale rows are the fused weight's own block grid."""
+        return all(width % self.block[0] == 0 for width in layer.fp8rl_shards[:-1])
 
     def _weight(self, layer) -> "Fp8Tensor | _Dequantized":
         if self.block is None:
             if layer.fp8rl_uniform_weight_scale:
-                return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor", dense=layer.fp8rl_codes)
-            return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row", dense=layer.fp8rl_codes)
-        if all(width % self.block[0] == 0 for width in layer.fp8rl_shards[:-1]):
-            # the shards' scale rows are then the fused weight's own block grid
+                return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor", dense=layer.fp8rl_gemm_weight)
+            return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row", dense=layer.fp8rl_gemm_weight)
+        if self._tiles_block_grid(layer):
+            kept = layer.fp8rl_gemm_weight
+            wide = kept is not None and kept.dtype == torch.float64  # 'exact': codes^T; 'tiled': values
             return Fp8Tensor(layer.weight, layer.weight_scale_inv, "block", self.block,
-                             dense_t=layer.fp8rl_codes)
+                             dense_t=kept if wide else None, values=None if wide else kept)
         pieces, row, scale_row = [], 0, 0
         for width, rows in zip(layer.fp8rl_shards, layer.fp8rl_scale_rows):
             pieces.append(dequantize_blockwise(layer.weight[row:row + width],

@@ -214,7 +214,7 @@ def test_load_rejects_foreign_extra_state_and_unknown_gemm():
     state["_extra_state"] = {"version": 99}
     with pytest.raises(ValueError, match="Fp8Linear: FP8 extra state must be a dict with version 1, found 99"):
         layer.load_state_dict(state)
-    with pytest.raises(ValueError, match="valid: auto, batch_invariant, scaled_mm, fp32_accumulate, exact, triton_invariant"):
+    with pytest.raises(ValueError, match="valid: auto, batch_invariant, scaled_mm, fp32_accumulate, exact, tiled, triton_invariant"):
         Fp8Linear(8, 4, gemm="cublas")
     with pytest.raises(ValueError, match="input has 5 features"):
         layer(torch.randn(2, 5))

@@ -8,7 +8,8 @@ after a weight sync carrying the trainer's own FP8 weights and scales, with chan
 the mismatch the alignment removes is measured: a blockwise FP8 rollout against the same weights in
 a high-precision trainer. Last, the real SmolLM2-135M (30 layers), where merely close arithmetic
 is not enough: ulp differences before a quantization flip FP8 codes and avalanche (DESIGN hazard
-3), so alignment there also needs the exact FP8 GEMM and SGLang's attention call layout.
+3), so alignment there also needs a batch-invariant FP8 GEMM on both sides and SGLang's attention
+call layout.
 """
 import importlib.util
 import json
@@ -45,14 +46,15 @@ MARGIN = 20
 
 
 def _megatron(hf_dir, tmp_path, recipe):
-    """The HF checkpoint in a Megatron GPTModel (the real conversion), FP8 linears under `recipe`."""
+    """The HF checkpoint in a Megatron GPTModel (the real conversion), FP8 linears under `recipe`
+    with the trainer's GEMM under aligned rollouts (RunConfig.trainer_fp8_gemm)."""
     from megatron.core import dist_checkpointing
 
     hf_config = json.loads((hf_dir / "config.json").read_text())
     if not (tmp_path / "mcore").exists():
         meta = build_model_from_hf(hf_config, device="meta")
         convert_hf_to_megatron(hf_dir, tmp_path / "mcore", meta.sharded_state_dict(), progress=False)
-    model = build_model_from_hf(hf_config, fp8_recipe=recipe).eval()
+    model = build_model_from_hf(hf_config, fp8_recipe=recipe, fp8_gemm="batch_invariant").eval()
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(tmp_path / "mcore")))
     return model
 
