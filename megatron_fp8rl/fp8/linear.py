@@ -191,31 +191,24 @@ def _tiled_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     multiplier in fp32; a cached weight's are kept, `Fp8Tensor.values`)."""
     if _row_or_tensor(a, b):
         weight = _dense(b).contiguous()  # [n, k]: both sides hand BLAS the same layout
-        y = _tiles(_dense(a), weight.shape[0], lambda rows: torch.mm(rows, weight.t()))
+        y = _tiles(_dense(a), weight)
         return y.mul_(_left_scale(a)).mul_(_left_scale(b).reshape(1, -1))  # y: a fresh tensor
-    weight = b.dequantize().contiguous()
-    return _tiles(a.dequantize(), weight.shape[0], lambda rows: torch.mm(rows, weight.t()))
+    return _tiles(a.dequantize(), b.dequantize().contiguous())
 
 
-def _padded_rows(rows: torch.Tensor) -> torch.Tensor:
-    """rows [r <= TILE_ROWS, ...] with zero rows appended up to TILE_ROWS."""
-    if rows.shape[0] == TILE_ROWS:
-        return rows
-    out = rows.new_zeros((TILE_ROWS, *rows.shape[1:]))
-    out[:rows.shape[0]] = rows
-    return out
-
-
-def _tiles(a: torch.Tensor, n: int, gemm) -> torch.Tensor:
-    """gemm(tile) [TILE_ROWS, n] for each TILE_ROWS rows of a [m, k] (fp32, the last tile padded
-    with zero rows), concatenated to [m, n]."""
-    parts = []
-    for first in range(0, a.shape[0], TILE_ROWS):
-        out = gemm(_padded_rows(a[first:first + TILE_ROWS].float()))
-        parts.append(out[:min(TILE_ROWS, a.shape[0] - first)])
-    if not parts:
+def _tiles(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """a [m, k] @ weight [n, k]^T in fp32, TILE_ROWS rows of a per GEMM: one batched GEMM over the
+    tiles (the weight broadcast to each; the last tile padded with zero rows), [m, n]. 1.36x
+    faster than a loop of per-tile GEMMs at 960 x 576 -> 3072, one thread, same bits."""
+    m, (n, k) = a.shape[0], weight.shape
+    tiles = -(-m // TILE_ROWS)
+    if tiles == 0:
         return a.new_zeros((0, n), dtype=torch.float32)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    rows = a.float()
+    if tiles * TILE_ROWS != m:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, tiles * TILE_ROWS - m))
+    out = torch.bmm(rows.contiguous().view(tiles, TILE_ROWS, k), weight.t().expand(tiles, k, n))
+    return out.view(tiles * TILE_ROWS, n)[:m]
 
 
 def _same_groups(a: Fp8Tensor, b: Fp8Tensor) -> bool:
