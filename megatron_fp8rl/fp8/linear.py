@@ -41,8 +41,8 @@ The FP8 GEMM (`gemm` argument, GEMMS):
                      row and the weight: CPU BLAS picks its kernel by shape (M = 1 or 2 rows take
                      another path than 16 and give other bits) and computes the rows of one call
                      alike wherever they sit (tests/fp8/test_tiled_gemm.py checks both, with 1 and 2
-                     threads). Not exact, so unlike 'exact' it is not the sum 'exact' gives, but
-                     trainer and SGLang compute the same bits from the same codes in any layout.
+                     threads). Not the exactly rounded sum 'exact' gives, but trainer and SGLang
+                     compute the same bits from the same FP8 operands in any layout.
                      Faster than 'exact' (one fp32 GEMM instead of fp64 ones, and for groups
                      no per-group passes: `python bench/exact_gemm.py`). The backward runs
                      'fp32_accumulate';

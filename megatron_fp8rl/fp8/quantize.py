@@ -45,8 +45,8 @@ class Fp8Tensor:
     """Block shape for granularity 'block'."""
     dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional fp32 or fp64 copy of `data` (the same values), kept by a producer that reuses this
-    tensor (the cached weight quantization in quantizer.py: fp32; SGLang's served weights: fp64,
-    the 'exact' GEMM's operand dtype) so GEMMs skip the cast from FP8."""
+    tensor (the cached weight quantization in quantizer.py: fp32; SGLang's served weights: fp64
+    under the 'exact' GEMM, fp32 under 'tiled') so GEMMs skip the cast from FP8."""
     transposed: "Fp8Tensor | None" = field(default=None, repr=False, compare=False)
     """Optional precomputed `t()` (same values, kept by the same producers)."""
     dense_t: torch.Tensor | None = field(default=None, repr=False, compare=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_fp8rl.fp8.formats import E4M3
-from megatron_fp8rl.fp8.linear import TILE_ROWS, fp8_matmul_nt, resolve_gemm
+from megatron_fp8rl.fp8.linear import TILE_ROWS, fp8_matmul_nt
 from megatron_fp8rl.fp8.quantize import Fp8Tensor, quantize_blockwise, quantize_per_row, quantize_with_scale_inv
 
 # (n, k): SmolLM2's down projection (1536 -> 576) is a shape where one fp32 GEMM of 1 or 2 rows
@@ -94,7 +94,3 @@ def test_no_rows_give_an_empty_product():
     a = quantize_with_scale_inv(torch.zeros(0, 64), torch.tensor(0.01), E4M3)
     assert fp8_matmul_nt(a, b, "tiled").shape == (0, 8)
 
-
-def test_batch_invariant_is_tiled_on_cpu():
-    assert resolve_gemm("batch_invariant", torch.device("cpu")) == "tiled"
-    assert resolve_gemm("auto", torch.device("cpu")) == "exact"

@@ -99,9 +99,9 @@ def test_fp8_linear_runs_it_forward_and_fp32_sums_backward():
     assert torch.equal(dx_t, dx_f) and torch.equal(dw_t, dw_f)  # the backward is 'fp32_accumulate'
 
 
-def test_batch_invariant_gemm_is_triton_on_cuda_and_exact_on_cpu():
+def test_batch_invariant_gemm_is_triton_on_cuda_and_tiled_on_cpu():
     assert resolve_gemm("batch_invariant", torch.device("cuda")) == "triton_invariant"
-    assert resolve_gemm("batch_invariant", torch.device("cpu")) == "exact"
+    assert resolve_gemm("batch_invariant", torch.device("cpu")) == "tiled"
     assert resolve_gemm("auto", torch.device("cuda")) == "scaled_mm"
 
 
@@ -182,4 +182,4 @@ def test_megatron_fp8_layer_refuses_groupwise32_where_batch_invariant_is_the_ker
         _Fp8LinearMixin()._init_fp8(recipe, "batch_invariant")
     _Fp8LinearMixin()._init_fp8(groupwise32(), "auto")  # scaled_mm / dequantized on CUDA: no kernel
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _Fp8LinearMixin()._init_fp8(groupwise32(), "batch_invariant")  # 'exact' on the CPU
+    _Fp8LinearMixin()._init_fp8(groupwise32(), "batch_invariant")  # 'tiled' on the CPU
