@@ -198,8 +198,8 @@ def _tiled_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
 
 def _tiles(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """a [m, k] @ weight [n, k]^T in fp32, TILE_ROWS rows of a per GEMM: one batched GEMM over the
-    tiles (the weight broadcast to each; the last tile padded with zero rows), [m, n]. 1.36x
-    faster than a loop of per-tile GEMMs at 960 x 576 -> 3072, one thread, same bits."""
+    tiles (the weight broadcast to each; the last tile padded with zero rows), [m, n]; one call
+    instead of a Python loop of per-tile GEMMs."""
     m, (n, k) = a.shape[0], weight.shape
     tiles = -(-m // TILE_ROWS)
     if tiles == 0:

@@ -257,26 +257,25 @@ class Fp8RLLinearMethod(LinearMethodBase):
             widths = torch.tensor(layer.fp8rl_shards, device=scales.device)
             layer.fp8rl_row_scale_inv = scales.repeat_interleave(widths)[:, None].clone()
 
-    def _gemm_weight(self, layer) -> torch.Tensor | None:
-        """The widened weight the CPU GEMM reads, kept so that decode steps do not widen the whole
-        weight again each call (refreshed with every load; None where another GEMM runs):
-        'exact': the codes in fp64 (per tensor [N, K], `Fp8Tensor.dense`; block [K, N],
-        `dense_t`); 'tiled': per tensor the codes in fp32 (`dense`), block the dequantized
-        values in fp32 [N, K] (`values`). `python bench/exact_gemm.py` (SmolLM2's four linears
-        of a layer, 16 decode rows, one thread, beside a training job): 'exact' with fp32 codes
-        widened per call 6.2-6.6 ms, with kept fp64 codes 5.0-5.3 ms (same bits, the bench
-        checks), an fp32 GEMM 2.0 ms."""
+    def _gemm_weight(self, layer) -> dict[str, torch.Tensor]:
+        """The widened weight the CPU GEMM reads, as the `Fp8Tensor` field that carries it, kept so
+        that decode steps do not widen the whole weight again each call (refreshed with every
+        load; {} where another GEMM runs): 'exact': the codes in fp64 (per tensor [N, K] `dense`,
+        block [K, N] `dense_t`); 'tiled': per tensor the codes in fp32 (`dense`), block the
+        dequantized values in fp32 [N, K] (`values`). `python bench/exact_gemm.py` (SmolLM2's
+        four linears of a layer, 16 decode rows, one thread, quiet box, 2026-12-03): per tensor
+        'exact' 7.53 ms, 'tiled' 3.40, an fp32 GEMM 3.04; 1x32 groups 11.46 / 3.38 / 2.46."""
         gemm = resolve_gemm(self.config.gemm, layer.weight.device)
         codes = layer.weight.detach()
         if gemm == "exact":
-            return (codes if self.block is None else transposed_codes(codes)).double()
+            return {"dense": codes.double()} if self.block is None else {"dense_t": transposed_codes(codes).double()}
         if gemm != "tiled":
-            return None
+            return {}
         if self.block is None:
-            return codes.float()
+            return {"dense": codes.float()}
         if not self._tiles_block_grid(layer):
-            return None  # _weight dequantizes shard by shard
-        return dequantize_blockwise(codes, layer.weight_scale_inv.detach(), self.block)
+            return {}  # _weight dequantizes shard by shard
+        return {"values": dequantize_blockwise(codes, layer.weight_scale_inv.detach(), self.block)}
 
     def _tiles_block_grid(self, layer) -> bool:
         """Whether the fused shards' scale rows are the fused weight's own block grid."""
@@ -285,13 +284,10 @@ class Fp8RLLinearMethod(LinearMethodBase):
     def _weight(self, layer) -> "Fp8Tensor | _Dequantized":
         if self.block is None:
             if layer.fp8rl_uniform_weight_scale:
-                return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor", dense=layer.fp8rl_gemm_weight)
-            return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row", dense=layer.fp8rl_gemm_weight)
+                return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor", **layer.fp8rl_gemm_weight)
+            return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row", **layer.fp8rl_gemm_weight)
         if self._tiles_block_grid(layer):
-            kept = layer.fp8rl_gemm_weight
-            wide = kept is not None and kept.dtype == torch.float64  # 'exact': codes^T; 'tiled': values
-            return Fp8Tensor(layer.weight, layer.weight_scale_inv, "block", self.block,
-                             dense_t=kept if wide else None, values=None if wide else kept)
+            return Fp8Tensor(layer.weight, layer.weight_scale_inv, "block", self.block, **layer.fp8rl_gemm_weight)
         pieces, row, scale_row = [], 0, 0
         for width, rows in zip(layer.fp8rl_shards, layer.fp8rl_scale_rows):
             pieces.append(dequantize_blockwise(layer.weight[row:row + width],
