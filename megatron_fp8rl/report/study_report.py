@@ -12,7 +12,11 @@ Per run, from its tensorboard scalars (steps without a value skipped):
              runs without an FP8 trainer have no FP8 ratio: n/a, zero by construction)
 - clip_low   train/clip_frac_low: the share of response tokens the lower bound silenced
 - entropy    train/entropy at the first step and the mean of the last `TAIL` steps; drift = their ratio
-- no_number / repetitive / length / reward   the means of the last `TAIL` steps
+- no_number / repetitive / length / reward / truncated   the means of the last `TAIL` steps
+             (truncated: response/truncated_frac, responses cut at rollout.max_new_tokens)
+- reward_first   the mean reward of the first `TAIL` steps; a run whose last steps' mean falls
+             under REWARD_COLLAPSE x it has collapsed (an arm can fail this way without any entropy
+             surge or non-numeric output: its answers run to the token limit and stop scoring)
 - accuracy   held-out greedy accuracy at the last eval (start: the first eval), from
              eval_correct.json (tensorboard's eval/accuracy without it)
 """
@@ -36,6 +40,8 @@ ENTROPY_SURGE = 1.5
 """Entropy drift (last steps over the first) that counts as a surge."""
 GARBLE_RISE = 0.10
 """Rise of the garbled share (no number, or repetitive) over the reference arm's that counts."""
+REWARD_COLLAPSE = 0.5
+"""A run collapses when its last `TAIL` steps' mean reward is under this share of its first's."""
 
 
 @dataclass
@@ -55,6 +61,7 @@ CURVES = {"clip/neg_overclip_before": "A<0 tokens over-clipped vs the shadow (di
           "response/no_number_frac": "garbled: responses without a number",
           "response/repetitive_frac": "garbled: responses with a repeated 3-gram",
           "train/clip_frac_low": "tokens clipped at the lower bound",
+          "response/truncated_frac": "responses cut at the token limit",
           "reward/mean": "rollout reward"}
 
 
@@ -95,11 +102,14 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
         "repetitive": _reduce(run, "response/repetitive_frac", lambda v: v[-TAIL:].mean()),
         "length": _reduce(run, "response/length_mean", lambda v: v[-TAIL:].mean()),
         "reward": _reduce(run, "reward/mean", lambda v: v[-TAIL:].mean()),
+        "reward_first": _reduce(run, "reward/mean", lambda v: v[:TAIL].mean()),
+        "truncated": _reduce(run, "response/truncated_frac", lambda v: v[-TAIL:].mean()),
         "accuracy_start": float(accuracy[1][0]) if accuracy else math.nan,
         "accuracy": float(accuracy[1][-1]) if accuracy else math.nan,
         "train_forward_delta_max": _reduce(run, "noise/train_forward_abs_delta_max", np.max),
     }
     values["entropy_drift"] = values["entropy_last"] / values["entropy_first"] if entropy else math.nan
+    values["collapsed"] = float(values["reward"] < REWARD_COLLAPSE * values["reward_first"])
     # when each sign first shows: over-clipping above the threshold, an entropy surge, garbling
     # (the no-number share GARBLE_RISE above its first steps')
     values["overclip_from"] = _first_step(run, "clip/neg_overclip_before", lambda v: v > OVERCLIP_THRESHOLD)
@@ -180,6 +190,7 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
                 + ("entropy surges" if surge else "no entropy surge") + " and "
                 + ("output garbles" if garbled > GARBLE_RISE else "no garbling beyond the reference")
                 + f" (first seen, median over seeds: {order})" + ".")
+    lines.append(_collapse_line(arms))
     for name in sorted(summaries):
         calibrated = f"{name}_cc"
         if calibrated not in summaries or ref is None:
@@ -197,6 +208,16 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
                          f"exactly 1), diagnostic on the later mini-batch {_fmt(s['overclip'], percent=True)}, "
                          f"accuracy {_fmt(s['accuracy'])}.")
     return lines
+
+
+def _collapse_line(arms: dict[str, list[RunFigures]]) -> str:
+    """Which arms' reward collapsed (last `TAIL` steps under REWARD_COLLAPSE x the first), in how many seeds."""
+    counts = {name: sum(r.values["collapsed"] > 0 for r in runs) for name, runs in arms.items()}
+    hit = [f"{name} ({count} of {len(arms[name])} seeds)" for name, count in counts.items() if count]
+    rewards = ", ".join(f"{name} {_fmt(spread([r.values['reward_first'] for r in runs]))} -> "
+                        f"{_fmt(spread([r.values['reward'] for r in runs]))}" for name, runs in arms.items())
+    return (f"- **Reward collapse** (mean reward of the last {TAIL} steps under {REWARD_COLLAPSE:g}x the first "
+            f"{TAIL}'): " + (", ".join(hit) if hit else "no arm") + f". Reward first -> last: {rewards}.")
 
 
 def _paired_text(arms: dict[str, list[RunFigures]], reference: str, name: str) -> str:
@@ -220,7 +241,8 @@ def _paired_tests(arms: dict[str, list[RunFigures]], reference: str, name: str) 
 
 COLUMNS = (("seeds", None), ("diagnostic", "overclip"), ("lower clip", "clip_low"),
            ("entropy first → last", None), ("no number", "no_number"), ("repetitive", "repetitive"),
-           ("length", "length"), ("reward", "reward"), ("accuracy start → end", None))
+           ("length", "length"), ("cut at limit", "truncated"), ("reward first → last", None),
+           ("accuracy start → end", None))
 
 
 def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
@@ -230,7 +252,8 @@ def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
         s = arm_summary(runs)
         cells = [str(len(runs)), _fmt(s["overclip"], True), _fmt(s["clip_low"], True),
                  f"{_fmt(s['entropy_first'])} → {_fmt(s['entropy_last'])}", _fmt(s["no_number"], True),
-                 _fmt(s["repetitive"], True), _fmt(s["length"], digits=1), _fmt(s["reward"]),
+                 _fmt(s["repetitive"], True), _fmt(s["length"], digits=1), _fmt(s["truncated"], True),
+                 f"{_fmt(s['reward_first'])} → {_fmt(s['reward'])}",
                  f"{_fmt(s['accuracy_start'])} → {_fmt(s['accuracy'])}"]
         tests = _paired_tests(arms, reference, name) if name != reference else {}
         cells.append(", ".join(f"+{int(t['gained'])}/−{int(t['lost'])} p={t['mcnemar_p']:.2g}"
@@ -242,8 +265,11 @@ def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
 def _curves_figure(arms: dict[str, list[RunFigures]], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(4.4 * 3, 3.6 * 2), layout="constrained")
-    axes = fig.subplots(2, 3).flatten()
+    columns = math.ceil(len(CURVES) / 2)
+    fig = Figure(figsize=(4.4 * columns, 3.6 * 2), layout="constrained")
+    axes = fig.subplots(2, columns).flatten()
+    for ax in axes[len(CURVES):]:
+        ax.set_visible(False)
     for ax, (tag, title) in zip(axes, CURVES.items()):
         for index, (name, runs) in enumerate(arms.items()):
             found = [r.curves[tag] for r in runs if tag in r.curves]

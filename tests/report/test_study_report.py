@@ -22,10 +22,11 @@ def _run(path, scalars: dict[str, list[float]], evals: dict[int, list[int]]):
     return path
 
 
-def _scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8):
-    out = {"train/entropy": [1.0] * (steps - 5) + [entropy_end] * 5, "reward/mean": [0.2] * steps,
+def _scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8, reward=None, truncated=0.0):
+    out = {"train/entropy": [1.0] * (steps - 5) + [entropy_end] * 5, "reward/mean": reward or [0.2] * steps,
            "response/no_number_frac": [no_number] * steps, "response/repetitive_frac": [0.0] * steps,
-           "response/length_mean": [10.0] * steps, "train/clip_frac_low": [0.01] * steps}
+           "response/length_mean": [10.0] * steps, "train/clip_frac_low": [0.01] * steps,
+           "response/truncated_frac": [truncated] * steps}
     if overclip is not None:
         out["clip/neg_overclip_before"] = overclip
     return out
@@ -75,3 +76,23 @@ def test_report_writes_markdown_and_figures(study):
     assert "10.0 min" in text
     for name in ("curves.png", "accuracy.png"):
         assert_png(tmp_path / "report" / name)
+
+
+def test_reward_collapse_is_named_without_any_entropy_surge(tmp_path):
+    """An arm whose answers run to the token limit and stop scoring (the study's tensorwise seed 1
+    did: no entropy surge, no non-numeric output, reward 0.26 -> 0) is a failure the verdict names."""
+    falling = [0.4, 0.3, 0.3, 0.2, 0.2, 0.1, 0.1, 0.1, 0.0, 0.0]  # first 5: 0.28, last 5: 0.06
+    steady = [0.3] * 10
+    runs = {"bf16": {"1": _run(tmp_path / "r", _scalars(steps=10, reward=steady), {10: [1, 0]})},
+            "tensorwise": {"1": _run(tmp_path / "t", _scalars([0.05] * 10, steps=10, reward=falling, truncated=0.9),
+                                     {10: [0, 0]})}}
+    arms = {name: [run_figures(d, name, seed) for seed, d in seeds.items()] for name, seeds in runs.items()}
+    figures = arms["tensorwise"][0].values
+    assert figures["reward_first"] == pytest.approx(0.28) and figures["reward"] == pytest.approx(0.06)
+    assert figures["truncated"] == pytest.approx(0.9) and figures["collapsed"] == 1.0
+    assert arms["bf16"][0].values["collapsed"] == 0.0
+    lines = "\n".join(verdict_lines(arms, "bf16"))
+    assert "**Reward collapse**" in lines and "tensorwise (1 of 1 seeds)" in lines and "bf16 (" not in lines
+    assert "no entropy surge" in lines  # the collapse is not an entropy surge
+    report = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
+    assert "| tensorwise | 1 | 5.0% | 1.0% | 1.000 → 1.000 | 0.0% | 0.0% | 10.0 | 90.0% | 0.280 → 0.060 |" in report
