@@ -6,6 +6,8 @@ megatron_fp8rl/report/study.py (so the installed CLI has it too).
     python bench/stability.py --settings bf16,tensorwise,tensorwise_cc --seeds 1
     python bench/stability.py --quick --model DIR               # smoke: 2 tiny steps per run
     python bench/stability.py --add mine:algorithm.correction=mis --set train.lr=5e-5
+    python bench/stability.py --hours 3                         # what fits in 3 hours; repeat to go on
+    python bench/stability.py --report-only                     # the report of the finished runs
 
 Arms: bf16 (reference), bf16_fp8block_tis, tensorwise / blockwise / aligned (unified FP8, the
 diagnostic measured by clip_calibration=monitor), the same with Calibrated Clipping (_cc), and

@@ -230,11 +230,12 @@ def run_dir_of(study_dir: Path, setting: Setting, seed: int) -> Path:
 
 
 def run_study(args: argparse.Namespace) -> int:
-    """Train every selected arm x seed not finished yet (summary.json present), then the report."""
+    """Train every selected arm x seed not finished yet (summary.json present), within --hours,
+    then the report of every finished run (--report-only: the report alone)."""
     try:
         settings = select_settings(args.settings, args.add)
         seeds = tuple(int(s) for s in args.seeds.split(",") if s)
-        model = _model_path(Path(args.model))
+        model = None if args.report_only else _model_path(Path(args.model))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -245,18 +246,49 @@ def run_study(args: argparse.Namespace) -> int:
     study_dir.mkdir(parents=True, exist_ok=True)
     timings_path = study_dir / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
-    failed = []
     plan = runs_of(settings, seeds)
+    failed = [] if args.report_only else _train(plan, study_dir, model, sizes, args, timings, timings_path)
+    missing = [f"{s.name}/seed{seed}" for s, seed in plan if not _finished(run_dir_of(study_dir, s, seed))]
+    print(f"[stability] {len(plan) - len(missing)} of {len(plan)} runs finished"
+          + (f"; missing: {', '.join(missing)}" if missing else ""), flush=True)
+    _report(settings, seeds, study_dir, timings)
+    if failed:
+        print(f"[stability] failed runs: {failed} (logs: <study_dir>/<arm>/seed<k>/train.log)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _finished(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").is_file()
+
+
+def hours_left(budget_hours: float | None, started: float, timings: dict[str, float]) -> bool:
+    """Whether one more run fits the --hours budget counted from `started` (time.monotonic()), a
+    run taking as long as the longest finished one (timings.json); no budget, or no run timed
+    yet: True (the first run measures)."""
+    if budget_hours is None or not timings:
+        return True
+    return time.monotonic() - started + max(timings.values()) <= budget_hours * 3600
+
+
+def _train(plan: list[tuple[Setting, int]], study_dir: Path, model: Path, sizes: dict,
+           args: argparse.Namespace, timings: dict[str, float], timings_path: Path) -> list[str]:
+    """Train the plan's unfinished runs one after another; the labels of the runs that failed."""
+    failed, started = [], time.monotonic()
     for number, (setting, seed) in enumerate(plan, 1):
         run_dir, label = run_dir_of(study_dir, setting, seed), f"{setting.name}/seed{seed}"
         command = train_command(setting, run_dir, model, sizes, args.set, args.nproc, seed)
-        if (run_dir / "summary.json").is_file() and not args.rerun:
+        if _finished(run_dir) and not args.rerun:
             differs = config_differences(run_dir, command[command.index("train") + 1:])
             if not differs:
                 print(f"[stability] {number}/{len(plan)} {label}: finished earlier, kept (--rerun trains it again)")
                 continue
             print(f"[stability] {number}/{len(plan)} {label}: finished earlier with other settings "
                   f"({'; '.join(differs[:3])}), trained again")
+        if not hours_left(args.hours, started, timings):
+            print(f"[stability] {number}/{len(plan)} {label}: not started, it would end past --hours "
+                  f"{args.hours:g} (a run takes up to {max(timings.values()) / 60:.0f} min); run the same "
+                  "command again to go on")
+            continue
         if run_dir.exists():  # an interrupted or failed attempt: start it over
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
@@ -273,23 +305,26 @@ def run_study(args: argparse.Namespace) -> int:
             timings_path.write_text(json.dumps(timings, indent=2))
             if not args.keep_weights:
                 prune_weights(run_dir)
-    finished = {s.name: {str(seed): run_dir_of(study_dir, s, seed) for seed in seeds
-                         if (run_dir_of(study_dir, s, seed) / "summary.json").is_file()} for s in settings}
-    if any(finished.values()):
-        # matplotlib: only when reporting
-        from megatron_fp8rl.report.markdown import write_report
-        from megatron_fp8rl.report.study_report import write_study_report
+    return failed
 
-        report = write_study_report(finished, study_dir / "report", REFERENCE, PREAMBLE,
-                                    {k: v for k, v in timings.items() if k.split("/")[0] in finished})
-        first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]
-        names = [arm for arm, dirs in finished.items() if dirs]
-        write_report(first, study_dir / "report" / "runs", title="FP8 stability study: each arm's first seed",
-                     preamble="Per-run plots of every finished arm's first seed.", names=names)
-        print(f"[stability] report: {report}")
-    if failed:
-        print(f"[stability] failed runs: {failed} (logs: <study_dir>/<arm>/seed<k>/train.log)", file=sys.stderr)
-    return 1 if failed else 0
+
+def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, timings: dict[str, float]) -> None:
+    """report/ (the study report and each arm's first seed's per-run plots) of the finished runs."""
+    finished = {s.name: {str(seed): run_dir_of(study_dir, s, seed) for seed in seeds
+                         if _finished(run_dir_of(study_dir, s, seed))} for s in settings}
+    if not any(finished.values()):
+        return
+    # matplotlib: only when reporting
+    from megatron_fp8rl.report.markdown import write_report
+    from megatron_fp8rl.report.study_report import write_study_report
+
+    report = write_study_report(finished, study_dir / "report", REFERENCE, PREAMBLE,
+                                {k: v for k, v in timings.items() if k.split("/")[0] in finished})
+    first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]
+    names = [arm for arm, dirs in finished.items() if dirs]
+    write_report(first, study_dir / "report" / "runs", title="FP8 stability study: each arm's first seed",
+                 preamble="Per-run plots of every finished arm's first seed.", names=names)
+    print(f"[stability] report: {report}")
 
 
 def _model_path(model: Path) -> Path:
@@ -326,6 +361,12 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
                              "included (default: removed, only the logs stay)")
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes per setting")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
+    parser.add_argument("--hours", type=float, default=None,
+                        help="start no run that would end more than H hours after this command started "
+                             "(a run counted as long as the longest in timings.json); run the same command "
+                             "again to go on")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: the report of the runs finished so far, naming the missing ones")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,8 @@
 """The stability study's settings and commands (no training): every setting's overrides are valid
 keys and values of the real run config, names select settings, bad specs fail clearly."""
 import argparse
+import json
+import time
 
 import pytest
 
@@ -114,3 +116,58 @@ def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path):
     differs = config_differences(tmp_path, other[other.index("train") + 1:])
     assert len(differs) == 3 and differs[0].startswith("train.lr: run has 3e-05") and "train.seed" in differs[1]
     assert differs[2] == "rollout.fp8: run has 'per_tensor', the study sets blockwise"  # a string value
+
+
+def test_hours_budget_counts_the_longest_finished_run():
+    from megatron_fp8rl.report.study import hours_left
+
+    now = time.monotonic()
+    assert hours_left(None, now - 10_000, {"a": 9e9})  # no budget
+    assert hours_left(1.0, now - 10_000, {})  # nothing timed yet: the first run measures
+    assert hours_left(1.0, now - 600, {"a": 1200.0, "b": 2400.0})  # 10 + 40 min <= 60
+    assert not hours_left(1.0, now - 1500, {"a": 1200.0, "b": 2400.0})  # 25 + 40 min > 60
+
+
+def _finished_run(run_dir):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run_dir / "tb"))
+    for step in (1, 2):
+        writer.add_scalar("reward/mean", 0.25 * step, step)
+        writer.add_scalar("train/entropy", 1.0, step)
+    writer.close()
+    (run_dir / "eval_correct.json").write_text(json.dumps({"0": [0, 1], "2": [1, 1]}))
+    (run_dir / "summary.json").write_text("{}")
+
+
+def test_report_only_reports_what_finished_and_names_the_missing_runs(tmp_path, capsys):
+    from megatron_fp8rl.report.study import main
+
+    _finished_run(_mkdir(tmp_path / "bf16" / "seed1"))
+    assert main(["--study-dir", str(tmp_path), "--settings", "bf16,tensorwise", "--seeds", "1",
+                 "--report-only", "--model", str(tmp_path / "no-model")]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 2 runs finished; missing: tensorwise/seed1" in out
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| bf16 | 1 |" in report and "| tensorwise |" not in report
+    assert not (tmp_path / "tensorwise").exists()  # nothing trained
+
+
+def test_hours_starts_no_run_that_would_end_past_the_budget(tmp_path, capsys):
+    """A run that does not fit is not started (a started one would fail here at once: the model
+    folder is no model) and the command says how to go on."""
+    from megatron_fp8rl.report.study import main
+
+    model = _mkdir(tmp_path / "model")
+    (model / "config.json").write_text("{}")
+    (tmp_path / "timings.json").write_text(json.dumps({"bf16/seed1": 7200.0}))
+    assert main(["--study-dir", str(tmp_path), "--settings", "tensorwise", "--seeds", "1", "--hours", "1",
+                 "--model", str(model), "--timeout", "120"]) == 0
+    out = capsys.readouterr().out
+    assert "tensorwise/seed1: not started, it would end past --hours 1 (a run takes up to 120 min)" in out
+    assert "0 of 1 runs finished; missing: tensorwise/seed1" in out and not (tmp_path / "tensorwise").exists()
+
+
+def _mkdir(path):
+    path.mkdir(parents=True)
+    return path
