@@ -242,6 +242,11 @@ def frozen_fp8_scales(model: torch.nn.Module, scales: dict[tuple[int, str], tupl
             module.fp8_quantizers = quantizers
 
 
+def has_fp8_linears(model: torch.nn.Module) -> bool:
+    """Whether any of `model`'s modules is one of our FP8 linears."""
+    return any(isinstance(m, _Fp8LinearMixin) for m in model.modules())
+
+
 @contextmanager
 def high_precision_fp8_linears(model: torch.nn.Module):
     """Within the block every FP8 linear of `model` computes its GEMM in the weights' own dtype

@@ -11,9 +11,10 @@ trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (ol
 logprobs both FP8: tensorwise per-tensor current scaling, 128x128 blockwise, our calibrated recipe
 with aligned rollouts), each plain and with Calibrated Clipping (`_cc`), and our noise-aware
 clipping (old_policy=bypass: the clip interval widened by the measured train/rollout noise) on
-tensorwise, the arm the paper finds worst. Every FP8-trainer arm runs the shadow forwards every
-step: the plain arms with clip_calibration=monitor (measured, bounds unchanged), the `_cc` arms
-with shadow (applied), so the paper's diagnostic comes from every FP8 arm. The FP8 arms keep
+tensorwise, the arm the paper finds worst. Every arm runs the shadow forwards every step: the
+plain arms with clip_calibration=monitor (measured, bounds unchanged), the `_cc` arms with shadow
+(applied), so the paper's diagnostic comes from every arm; the bf16 arms' shadow is their float32
+forward (models/shadow.py), so their diagnostic is what bf16 itself over-clips. The FP8 arms keep
 float32 outside the FP8 GEMMs (model.dtype): aligned rollouts are bit-identical only there
 (README), and the shadow is then a float32 forward.
 """
@@ -54,9 +55,9 @@ UNIFIED = {"tensorwise": ("model.fp8=tensorwise", "rollout.fp8=per_tensor"),
 REFERENCE = "bf16"
 """The arm every other is compared with (paired tests on the same held-out problems and seed)."""
 ARMS = (
-    Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none"), key=True),
+    Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none", *MONITOR), key=True),
     Setting("bf16_fp8block_tis", ("model.dtype=bfloat16", "model.fp8=none", "rollout.fp8=blockwise",
-                                  "algorithm.correction=tis")),
+                                  "algorithm.correction=tis", *MONITOR)),
     *(Setting(name, (*recipe, *MONITOR), key=name == "tensorwise") for name, recipe in UNIFIED.items()),
     *(Setting(f"{name}_cc", (*recipe, *CALIBRATED), key=name == "tensorwise") for name, recipe in UNIFIED.items()),
     Setting("tensorwise_noise", (*UNIFIED["tensorwise"], *MONITOR, "algorithm.old_policy=bypass",

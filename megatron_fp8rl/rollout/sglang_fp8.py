@@ -25,13 +25,13 @@ aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv`
 trainer's own `fp8_matmul_nt` (fp8/linear.py) with the config's GEMM, by default
 'batch_invariant' ('tiled' on CPU, the Triton kernel 'triton_invariant' on CUDA: a row's bits do
 not depend on the batch, so decode steps and the trainer's whole-sequence recompute agree), bias
-added in fp32, cast to the activation dtype. Other layouts (block scales, dynamic per-token
-activations, fused shards with unequal weight scales) dequantize the same FP8 values and run one
-fp32 matmul (what the trainer does for non-per-tensor operands; not batch-invariant on GPU),
-except block weights whose fused shards tile their block grid (always so for 1x128 groups): those
-run `fp8_matmul_nt` with 1 x bk activation groups, the trainer's groupwise arithmetic ('tiled' on
-CPU: per-group fp32 sums in fixed tiles; the Triton kernel on CUDA). A config naming 'triton_invariant' raises
-for every layout the kernel has no code for.
+added in fp32, cast to the activation dtype. Block weights run `fp8_matmul_nt` with 1 x bk
+activation groups, the trainer's groupwise arithmetic ('tiled' on CPU: fp32 GEMMs in fixed tiles;
+the Triton kernel on CUDA): one call for the fused weight when its shards tile the block grid
+(always so for 1 x bk groups), else one call per shard (128x128 blocks over q/k/v shards of 576/192/192
+rows), outputs side by side. Dynamic per-token activations with a per-tensor or per-row weight
+dequantize the same FP8 values and run one fp32 matmul (not an aligned layout). A config naming
+'triton_invariant' raises for every layout the kernel has no code for.
 SGLang 0.5.23 facts this relies on: the config's `weight_block_size` attribute must be square or
 None (SGLang's CPU padding asserts it; 1x128 groups are kept as `block` only); fused qkv/gate_up layers load one scale per shard through the
 parameter's own `weight_loader(param, tensor, shard_id)`; the class name must be in
@@ -250,50 +250,51 @@ class Fp8RLLinearMethod(LinearMethodBase):
         for name in names:
             if torch.isnan(getattr(layer, name)).any():
                 raise ValueError(f"{self.prefix}.{name} was not loaded (check the FP8 checkpoint names)")
-        layer.fp8rl_gemm_weight = self._gemm_weight(layer)
         if self.block is None:
             scales = layer.weight_scale.detach()
             layer.fp8rl_uniform_weight_scale = bool((scales == scales[0]).all())
             widths = torch.tensor(layer.fp8rl_shards, device=scales.device)
             layer.fp8rl_row_scale_inv = scales.repeat_interleave(widths)[:, None].clone()
+        layer.fp8rl_pieces = self._pieces(layer)
 
-    def _gemm_weight(self, layer) -> dict[str, torch.Tensor]:
-        """The widened weight the CPU GEMM reads, as the `Fp8Tensor` field that carries it, kept so
-        that decode steps do not widen the whole weight again each call (refreshed with every
-        load; {} where another GEMM runs): 'exact': the codes in fp64 (per tensor [N, K] `dense`,
-        block [K, N] `dense_t`); 'tiled': per tensor the codes in fp32 (`dense`), block the
-        dequantized values in fp32 [N, K] (`values`). `python bench/exact_gemm.py` (SmolLM2's
-        four linears of a layer, 16 decode rows, one thread, quiet box, 2026-12-03): per tensor
-        'exact' 7.53 ms, 'tiled' 3.40, an fp32 GEMM 3.04; 1x32 groups 11.46 / 3.38 / 2.46."""
+    def _pieces(self, layer) -> list[Fp8Tensor]:
+        """The served weight as the FP8 operands of its GEMMs, derived once per load (every weight
+        update re-derives them): one for the fused weight, or, for block weights whose fused shards
+        do not tile the block grid (SmolLM2's q/k/v: 576/192/192 rows in 128-row blocks), one per
+        shard, whose outputs `apply` places side by side."""
         gemm = resolve_gemm(self.config.gemm, layer.weight.device)
-        codes = layer.weight.detach()
-        if gemm == "exact":
-            return {"dense": codes.double()} if self.block is None else {"dense_t": transposed_codes(codes).double()}
-        if gemm != "tiled":
-            return {}
         if self.block is None:
-            return {"dense": codes.float()}
-        if not self._tiles_block_grid(layer):
-            return {}  # _weight dequantizes shard by shard
-        return {"values": dequantize_blockwise(codes, layer.weight_scale_inv.detach(), self.block)}
+            if layer.fp8rl_uniform_weight_scale:
+                return [self._operand(layer.weight, layer.weight_scale[0], "tensor", gemm)]
+            return [self._operand(layer.weight, layer.fp8rl_row_scale_inv, "row", gemm)]
+        if self._tiles_block_grid(layer):
+            return [self._operand(layer.weight, layer.weight_scale_inv, "block", gemm)]
+        pieces, row, scale_row = [], 0, 0
+        for width, rows in zip(layer.fp8rl_shards, layer.fp8rl_scale_rows):
+            pieces.append(self._operand(layer.weight[row:row + width],
+                                        layer.weight_scale_inv[scale_row:scale_row + rows], "block", gemm))
+            row, scale_row = row + width, scale_row + rows
+        return pieces
+
+    def _operand(self, data: torch.Tensor, scale_inv: torch.Tensor, granularity: str, gemm: str) -> Fp8Tensor:
+        """One GEMM operand with the widened copy its CPU GEMM reads, kept so that decode steps do
+        not widen the weight again each call: 'exact': the codes in fp64 (per tensor or row [N, K]
+        `dense`, block [K, N] `dense_t`); 'tiled': per tensor or row the codes in fp32 (`dense`),
+        block the dequantized values in fp32 [N, K] (`values`). `python bench/exact_gemm.py`
+        (SmolLM2's four linears of a layer, 16 decode rows, one thread, quiet box, 2026-12-03):
+        per tensor 'exact' 7.53 ms, 'tiled' 3.40, an fp32 GEMM 3.04; 1x32 groups 11.46 / 3.38 / 2.46."""
+        data, scale_inv = data.detach(), scale_inv.detach()
+        block = self.block if granularity == "block" else None
+        kept = {}
+        if gemm == "exact":
+            kept = {"dense_t": transposed_codes(data).double()} if block else {"dense": data.double()}
+        elif gemm == "tiled":
+            kept = {"values": dequantize_blockwise(data, scale_inv, block)} if block else {"dense": data.float()}
+        return Fp8Tensor(data, scale_inv, granularity, block, **kept)
 
     def _tiles_block_grid(self, layer) -> bool:
         """Whether the fused shards' scale rows are the fused weight's own block grid."""
         return all(width % self.block[0] == 0 for width in layer.fp8rl_shards[:-1])
-
-    def _weight(self, layer) -> "Fp8Tensor | _Dequantized":
-        if self.block is None:
-            if layer.fp8rl_uniform_weight_scale:
-                return Fp8Tensor(layer.weight, layer.weight_scale[0], "tensor", **layer.fp8rl_gemm_weight)
-            return Fp8Tensor(layer.weight, layer.fp8rl_row_scale_inv, "row", **layer.fp8rl_gemm_weight)
-        if self._tiles_block_grid(layer):
-            return Fp8Tensor(layer.weight, layer.weight_scale_inv, "block", self.block, **layer.fp8rl_gemm_weight)
-        pieces, row, scale_row = [], 0, 0
-        for width, rows in zip(layer.fp8rl_shards, layer.fp8rl_scale_rows):
-            pieces.append(dequantize_blockwise(layer.weight[row:row + width],
-                                               layer.weight_scale_inv[scale_row:scale_row + rows], self.block))
-            row, scale_row = row + width, scale_row + rows
-        return _Dequantized(torch.cat(pieces))
 
     def _input(self, layer, x2d: torch.Tensor):
         if self.block is not None:
@@ -306,26 +307,15 @@ class Fp8RLLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        x_q, w_q = self._input(layer, x2d), self._weight(layer)
-        if isinstance(w_q, _Dequantized) and self.config.gemm == "triton_invariant":
-            raise ValueError(f"{self.prefix}: the triton_invariant GEMM needs fused block shards that tile the "
-                             f"{self.block} grid; found shard widths {layer.fp8rl_shards}")
-        if isinstance(w_q, _Dequantized):
-            y = x_q.dequantize() @ w_q.values.t()
-        elif self.config.gemm == "triton_invariant" or x_q.granularity == w_q.granularity:
-            y = fp8_matmul_nt(x_q, w_q, resolve_gemm(self.config.gemm, x.device))  # tensor or block both
-        else:  # row or block scales under the default GEMMs: not the aligned layout
-            y = x_q.dequantize() @ w_q.dequantize().t()
+        x_q, pieces = self._input(layer, x2d), layer.fp8rl_pieces
+        if self.config.gemm == "triton_invariant" or x_q.granularity == pieces[0].granularity:
+            gemm = resolve_gemm(self.config.gemm, x.device)  # tensor x tensor or block x block
+            y = torch.cat([fp8_matmul_nt(x_q, w_q, gemm) for w_q in pieces], dim=1)
+        else:  # per-token activations x a per-tensor or per-row weight: not the aligned layout
+            y = x_q.dequantize() @ pieces[0].dequantize().t()
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], layer.weight.shape[0])
-
-
-class _Dequantized:
-    """A block-scaled weight already dequantized to fp32 (the values the FP8 data stand for)."""
-
-    def __init__(self, values: torch.Tensor):
-        self.values = values
 
 
 def register() -> None:

@@ -32,9 +32,10 @@ from megatron_fp8rl.models.family import HF_LAYER
 from megatron_fp8rl.models.hf import build_conversion_target, build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.models.megatron_attention import sglang_call_layout
 from megatron_fp8rl.models.megatron_fp8_linear import (
-    decoder_layers, fp8_layer_stats, frozen_fp8_scales, high_precision_fp8_linears, shared_fp8_scales,
+    decoder_layers, fp8_layer_stats, frozen_fp8_scales, shared_fp8_scales,
 )
 from megatron_fp8rl.models.registry import family_for
+from megatron_fp8rl.models.shadow import high_precision_shadow
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
 from megatron_fp8rl.rl.noise import NoiseFloor
 from megatron_fp8rl.rollout.engine import RolloutSample
@@ -158,9 +159,10 @@ class MegatronActor:
         return [o["logprobs"] for o in out]
 
     def shadow_logprobs(self, micro: list[RolloutBatch]) -> list[torch.Tensor]:
-        """`logprobs` of the high-precision shadow: the same weights with every FP8 linear computed
-        in the trainer's dtype, no FP8 scaling state touched (Calibrated Clipping)."""
-        with high_precision_fp8_linears(self.model):
+        """`logprobs` of the high-precision shadow (Calibrated Clipping; models/shadow.py): the same
+        weights with every FP8 linear computed in the trainer's dtype, no FP8 scaling state touched;
+        a bf16 trainer without FP8: its forward with the weights upcast to float32."""
+        with high_precision_shadow(self.model):
             return self.logprobs(micro, as_served=False)
 
     def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

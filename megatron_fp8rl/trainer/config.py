@@ -267,7 +267,9 @@ class AlgorithmConfig:
     steps a high-precision shadow forward of the same batch sets the FP8 clip bounds: L matches the
     shadow's share of clipped negative-advantage tokens, H its positive/negative update balance),
     or monitor (the same shadow forwards and diagnostic, logged as clip/*, the configured bounds
-    kept: what plain FP8 clips that high precision would not). Needs an FP8 trainer (model.fp8)."""
+    kept: what plain FP8 clips that high precision would not). Needs an FP8 trainer (model.fp8;
+    the shadow computes its linears in high precision) or a bf16 one (model.dtype=bfloat16; the
+    shadow is its float32 forward, models/shadow.py)."""
     clip_calibration_every: int = 20
     """Steps between calibrations (the first step calibrates); the last bounds hold in between."""
     clip_calibration_level: str = "auto"
@@ -450,9 +452,11 @@ class RunConfig:
 
     def __post_init__(self):
         _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")
-        _check(self.algorithm.clip_calibration == "none" or self.model.fp8 != "none",
-               "algorithm.clip_calibration", f"{self.algorithm.clip_calibration} compares FP8 ratios with "
-               "a high-precision shadow's: it needs an FP8 trainer (model.fp8), which is none here")
+        _check(self.algorithm.clip_calibration == "none" or self.model.fp8 != "none"
+               or self.model.dtype != "float32", "algorithm.clip_calibration",
+               f"{self.algorithm.clip_calibration} compares the trainer's ratios with a higher-precision "
+               "shadow's: it needs an FP8 trainer (model.fp8) or a bf16 one (model.dtype=bfloat16, "
+               "shadowed in float32); a float32 trainer without FP8 has nothing higher to compare with")
         _check(self.algorithm.clip_calibration == "none" or self.model.fp8_backend == "ours",
                "algorithm.clip_calibration", "the shadow's high-precision forward is wired for our FP8 linear "
                "(model.fp8_backend=ours), not for TE's layers (te)")

@@ -26,6 +26,8 @@ def test_the_issue_arms():
     assert (bf16.model.dtype, bf16.rollout.dtype, bf16.model.fp8, bf16.rollout.fp8) == ("bfloat16",) * 2 + ("none",) * 2
     tis = by_name["bf16_fp8block_tis"]
     assert (tis.model.dtype, tis.rollout.fp8, tis.algorithm.correction) == ("bfloat16", "blockwise", "tis")
+    for arm in (bf16, tis):  # the diagnostic on the bf16 arms too: their float32 shadow
+        assert (arm.algorithm.clip_calibration, arm.algorithm.clip_calibration_every) == ("monitor", 1)
     for name, (trainer, rollout) in {"tensorwise": ("tensorwise", "per_tensor"), "blockwise": ("blockwise", "blockwise"),
                                      "aligned": ("calibrated", "aligned")}.items():
         plain, cc = by_name[name], by_name[f"{name}_cc"]

@@ -188,8 +188,12 @@ def test_calibrated_bounds_replace_the_clip_interval(options):
 
 def test_clip_calibration_config_is_checked():
     for mode in ("shadow", "monitor"):
-        with pytest.raises(ValueError, match=f"algorithm.clip_calibration: {mode} compares FP8 ratios"):
+        with pytest.raises(ValueError, match=f"algorithm.clip_calibration: {mode} compares the trainer's ratios "
+                                             "with a higher-precision shadow's: it needs an FP8 trainer"):
             load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.clip_calibration={mode}"])
+        bf16 = load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.clip_calibration={mode}",
+                                             "model.dtype=bfloat16", "rollout.dtype=bfloat16"])
+        assert bf16.algorithm.clip_calibration == mode  # a bf16 trainer is shadowed in float32
     with pytest.raises(ValueError, match="algorithm.clip_calibration_level: token calibration cannot match"):
         load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.name=gspo",
                                       "algorithm.clip_calibration_level=token"])

@@ -241,6 +241,22 @@ def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_pa
     assert state["clip_calibration"]["calibrated"] is None and state["clip_calibration"]["calibrations"] == 2
 
 
+@pytest.mark.slow  # ~100 s; the bf16 shadow's arithmetic is tested in the default tier (tests/models/test_shadow.py)
+@pytest.mark.multiprocess
+def test_clip_monitor_on_a_bf16_trainer_measures_against_its_float32_shadow(tiny_run_inputs, tmp_path):
+    """algorithm.clip_calibration=monitor with a bf16 trainer and no FP8 (the study's bf16 arms):
+    the float32 shadow forwards run every step and the diagnostic is logged, bounds unchanged."""
+    run_train(tiny_run_inputs, tmp_path, 1, "model.dtype=bfloat16", "rollout.dtype=bfloat16",
+              "algorithm.clip_calibration=monitor", "algorithm.clip_calibration_every=1",
+              "train.mini_batches=2", "train.micro_batch_size=2", "train.eval_every=0",
+              "algorithm.dynamic_sampling=false")
+    scalars = tb_scalars(tmp_path)
+    assert scalars["clip/calibrations"] == [1.0, 2.0] and scalars["clip/calibrated"] == [1.0, 1.0]
+    assert scalars["clip/low"] == [pytest.approx(0.8)] * 2
+    assert 1 <= len(scalars["clip/neg_overclip_before"]) <= 2
+    assert all(0 <= v <= 1 for v in scalars["clip/neg_overclip_before"])
+
+
 @pytest.mark.slow  # ~110 s; bf16 Megatron training stays in the default tier via test_parallel_layouts
 @pytest.mark.multiprocess
 def test_train_bf16_checkpoints_resumes_and_exports(tiny_run_inputs, tmp_path):
