@@ -95,6 +95,26 @@ def test_block_scaled_plugin_equals_trainer_bit_for_bit(plugin):
     assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
 
 
+@pytest.mark.parametrize("gemm", ["batch_invariant", "triton_invariant", "exact"])
+def test_block_shards_off_the_fused_grid_run_one_fp8_gemm_each(plugin, gemm):
+    """128x128 blocks over q/k/v shards of 192/64/64 rows (SmolLM2's 576/192/192: the fused
+    weight's 128-row grid is not the shards'): each shard's columns are the trainer's `fp8_linear`
+    on that shard, bit for bit, in the whole-sequence call and in every decode call. (Before, such
+    a layer ran one fp32 matmul of dequantized values, whatever GEMM was configured.)"""
+    widths = {"q": 192, "k": 64, "v": 64}
+    x, weight, bias = _inputs(8, k=256, n=sum(widths.values()))
+    shard_weights, shard_bias = torch.split(weight, list(widths.values())), torch.split(bias, list(widths.values()))
+    trainer = torch.cat([fp8_linear(x, w, b, make_quantizers(BlockwiseScaling()), gemm)[0]
+                         for w, b in zip(shard_weights, shard_bias)], dim=-1)
+    served = {name: quantize_blockwise(w, E4M3, WEIGHT_BLOCK) for name, w in zip(widths, shard_weights)}
+    config = plugin.Fp8RLConfig(LLAMA, list(WEIGHT_BLOCK), "dynamic", [], gemm=gemm)
+    method, layer = _served(plugin, config, {n: q.data for n, q in served.items()},
+                            {n: q.scale_inv for n, q in served.items()})
+    assert len(layer.fp8rl_pieces) == 3
+    assert torch.equal(method.apply(layer, x, bias)[0], trainer)
+    assert torch.equal(_plugin_calls(method, layer, x, bias), trainer)
+
+
 @pytest.mark.parametrize("gemm,k,group", [("batch_invariant", 320, 128), ("triton_invariant", 256, 128),
                                           ("batch_invariant", 336, 32)])
 def test_groupwise_plugin_equals_trainer_bit_for_bit(plugin, gemm, k, group):
