@@ -87,7 +87,8 @@ class ClipCalibrator:
             self.calibrations += 1
             if self.applies:
                 self.calibrated = self.last.bounds
-        out = {"clip/calibrated": 1.0, "clip/calibration_values": float(ratio.numel())}
+        out = {"clip/calibrated": 1.0, "clip/calibration_values": float(ratio.numel()),
+               "clip/neg_values": float((adv < 0).sum())}  # what clip/neg_* shares are shares of
         for when, diagnostic in (("before", self.last.before), ("after", self.last.after)):
             out.update({f"clip/{name}_{when}": value for name, value in diagnostic.items()})
         return out

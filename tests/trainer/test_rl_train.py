@@ -237,6 +237,9 @@ def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_pa
     assert scalars["clip/low"] == [pytest.approx(0.8)] * 2 and scalars["clip/high"] == [pytest.approx(1.28)] * 2
     assert 1 <= len(scalars["clip/neg_overclip_before"]) <= 2
     assert all(0 <= v <= 1 for v in scalars["clip/neg_overclip_before"])
+    # the diagnostic's denominator: the A<0 values of m* (every logged step has some)
+    assert len(scalars["clip/neg_values"]) == 2
+    assert sum(v >= 1 for v in scalars["clip/neg_values"]) == len(scalars["clip/neg_overclip_before"])
     state = json.loads(next((tmp_path / "checkpoints").rglob("trainer_state.json")).read_text())
     assert state["clip_calibration"]["calibrated"] is None and state["clip_calibration"]["calibrations"] == 2
 
