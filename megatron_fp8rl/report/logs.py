@@ -46,6 +46,8 @@ class RunLogs:
     """summary.json of a finished run ({} while it runs)."""
     eval_size: int | None = None
     """Held-out problems per greedy eval (config.yaml data.eval_size; None when absent)."""
+    texts: dict[str, dict[int, str]] = field(default_factory=dict)
+    """tag -> {step: text} of the run's tensorboard text (samples/responses, reward/first_error)."""
 
     def get(self, tag: str) -> Series | None:
         return self.scalars.get(tag)
@@ -74,16 +76,20 @@ def _tensorboard_dir(run_dir: Path) -> Path:
                       "events.out.tfevents.* files, as `megatron-fp8rl train` writes)")
 
 
-def _read_scalars(tb_dir: Path) -> dict[str, Series]:
-    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+def _read_events(tb_dir: Path) -> tuple[dict[str, Series], dict[str, dict[int, str]]]:
+    """(scalars, texts) of the event files in one pass."""
+    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
+    suffix = "/text_summary"
+    texts = {tag[:-len(suffix)]: {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors(tag)}
+             for tag in events.Tags()["tensors"] if tag.endswith(suffix)}
     scalars = {}
     for tag in events.Tags()["scalars"]:
         # a resumed run logs some steps again: the last value written for a step wins
         by_step = {event.step: event.value for event in events.Scalars(tag)}
         steps = np.array(sorted(by_step), dtype=np.int64)
         scalars[tag] = Series(steps, np.array([by_step[s] for s in steps], dtype=np.float64))
-    return scalars
+    return scalars, texts
 
 
 def _config(run_dir: Path) -> dict:
@@ -106,7 +112,7 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunLogs:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: run directory does not exist")
-    scalars = _read_scalars(_tensorboard_dir(run_dir))
+    scalars, texts = _read_events(_tensorboard_dir(run_dir))
     if not scalars:
         raise ReportError(f"{run_dir}: tensorboard logs hold no scalars yet")
     summary_path = run_dir / "summary.json"
@@ -114,4 +120,4 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunLogs:
     config = _config(run_dir)
     eval_size = (config.get("data") or {}).get("eval_size")
     return RunLogs(name or run_dir.resolve().name, run_dir, scalars, _settings(config), summary,
-                   eval_size if isinstance(eval_size, int) else None)
+                   eval_size if isinstance(eval_size, int) else None, texts)

@@ -54,6 +54,8 @@ class RunFigures:
     """tag -> (steps, values) of the plotted series."""
     eval_final: list[int] | None
     """Per-problem correctness of the last eval (eval_correct.json), for the paired tests."""
+    last_responses: tuple[int, str] | None = None
+    """(step, text) of the last logged samples/responses: what the policy wrote at the end."""
 
 
 CURVES = {"clip/neg_overclip_before": "A<0 tokens over-clipped vs the shadow (diagnostic)",
@@ -122,7 +124,9 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
     if evals:  # the per-problem record, where the run wrote one
         values["accuracy_start"] = float(np.mean(evals[min(evals, key=int)]))
         values["accuracy"] = float(np.mean(eval_final))
-    return RunFigures(arm, seed, values, curves, eval_final)
+    shown = run.texts.get("samples/responses")
+    last = (max(shown), shown[max(shown)]) if shown else None
+    return RunFigures(arm, seed, values, curves, eval_final, last)
 
 
 def paired_against(reference: RunFigures, run: RunFigures) -> dict[str, float] | None:
@@ -314,6 +318,17 @@ def _accuracy_figure(arms: dict[str, list[RunFigures]], path: Path) -> Path:
     return path
 
 
+def _responses_section(arms: dict[str, list[RunFigures]]) -> list[str]:
+    """Each arm's last logged responses (its first seed with any), as the policy wrote them."""
+    lines = []
+    for name, runs in arms.items():
+        run = next((r for r in runs if r.last_responses), None)
+        if run is not None:
+            step, text = run.last_responses
+            lines += [f"**{name}** (seed {run.seed}, step {step}):", "", *text.split("\n\n"), ""]
+    return ["## What each arm writes at the end", "", *lines] if lines else []
+
+
 def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, reference: str, preamble: str,
                        wall_seconds: dict[str, float] | None = None) -> Path:
     """report.md + curves.png + accuracy.png in `out_dir` from {arm: {seed: run_dir}} (finished
@@ -326,6 +341,7 @@ def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, referenc
              f"## Arms (median [min, max] over seeds; final figures: mean of the last {TAIL} steps)", "",
              *_table(arms, reference), "", f"![per-step curves]({curves.name})", "",
              f"![final accuracy]({accuracy.name})", ""]
+    lines += _responses_section(arms)
     if wall_seconds:
         total = sum(wall_seconds.values())
         lines += ["## Wall time", "", f"{total / 60:.1f} min for the {len(wall_seconds)} runs trained by the "

@@ -338,8 +338,9 @@ def _calibrator_state(ctx: StepContext) -> dict:
 
 
 def _log(writer, metrics: dict[str, float | str], step: int) -> None:
-    """Numbers as tensorboard scalars; text (a reward's first error) as tensorboard text and on
-    the console, with the step's failure counts."""
+    """Numbers as tensorboard scalars; text as tensorboard text (samples/responses: a few of the
+    step's responses), and a reward's first error also on the console, with the step's failure
+    counts."""
     if writer is None:
         return
     for name, value in metrics.items():
@@ -347,6 +348,8 @@ def _log(writer, metrics: dict[str, float | str], step: int) -> None:
             writer.add_scalar(name, value, step)
         elif isinstance(value, str):
             writer.add_text(name, value, step)
+            if not name.startswith("reward/"):
+                continue
             counts = ", ".join(f"{k.split('/')[-1]} {metrics[k]:g}" for k in
                                ("reward/errors", "reward/timeouts", "reward/invalid") if metrics.get(k))
             tqdm.write(f"step {step}: {name}: {value} ({counts})", file=sys.stderr)

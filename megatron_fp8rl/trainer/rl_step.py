@@ -90,16 +90,17 @@ def _rollout_until_full(ctx: StepContext, prompts: Prompts, step: int):
     groups and draw more batches (up to max_sampling_rounds) until `prompts_per_step` groups are
     kept. Round r's sampling seed is `rollout_seed(train.seed, step, r)`."""
     cfg = ctx.cfg
-    kept_samples, kept_rewards, seen, dropped, reward_stats = [], [], [], 0, {}
+    kept_samples, kept_rewards, seen, dropped, reward_stats, metrics_text = [], [], [], 0, {}, {}
     for round_index in range(cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1):
         batch_prompts, answers = next(prompts)
         seed = rollout_seed(cfg.train.seed, step, round_index) if cfg.rollout.temperature > 0 else None
         samples, rewards, stats = _broadcast(_generate_and_score(ctx, batch_prompts, answers, seed)
                                              if dist.get_rank() == 0 else None)
         seen.append(rewards)
-        first_error = stats.pop("first_error")
+        first_error, shown = stats.pop("first_error"), stats.pop("responses")
         if first_error:
             reward_stats.setdefault("first_error", first_error)
+        metrics_text.setdefault("samples/responses", shown)
         for key, value in stats.items():
             reward_stats[key] = reward_stats.get(key, 0) + value
         groups = rewards.view(len(batch_prompts), cfg.rollout.n_samples)
@@ -120,7 +121,8 @@ def _rollout_until_full(ctx: StepContext, prompts: Prompts, step: int):
                # every sample of the step's rounds, the dropped groups' too
                "response/no_number_frac": reward_stats.pop("no_number") / generated,
                "response/repetitive_frac": reward_stats.pop("repetitive") / generated,
-               **{f"reward/{k}": v if isinstance(v, str) else float(v) for k, v in reward_stats.items()}}
+               **{f"reward/{k}": v if isinstance(v, str) else float(v) for k, v in reward_stats.items()},
+               **metrics_text}
     flat = [s for group in kept_samples for s in group]
     lengths = torch.tensor([len(s.token_ids) for s in flat], dtype=torch.float32)
     if flat:
@@ -141,6 +143,11 @@ def rollout_seed(run_seed: int, step: int, call: int) -> int:
     return ((run_seed * 1_000_003 + step) * 64 + call) * SAMPLES_PER_CALL % (1 << 62)
 
 
+SHOWN_RESPONSES = 4
+"""Responses of a step's first rollout call logged as text (tensorboard `samples/responses`), to
+read what a failing run writes."""
+
+
 def _generate_and_score(ctx: StepContext, prompts, answers, seed: int | None):
     cfg = ctx.cfg.rollout
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
@@ -150,8 +157,10 @@ def _generate_and_score(ctx: StepContext, prompts, answers, seed: int | None):
     refs = [answers[s.prompt_index] for s in samples]
     rewards, stats = score(ctx.reward_fn, texts, refs, timeout_s=ctx.cfg.data.reward_timeout_s)
     flags = [garbled_flags(text, s.token_ids) for text, s in zip(texts, samples)]
+    shown = "\n\n".join(f"reward {r:g}, {s.finish_reason}: `{text[:200]!r}`"
+                         for text, s, r in list(zip(texts, samples, rewards))[:SHOWN_RESPONSES])
     counts = {"errors": stats.errors, "timeouts": stats.timeouts, "invalid": stats.invalid,
-              "first_error": stats.first_error, "samples": len(samples),
+              "first_error": stats.first_error, "samples": len(samples), "responses": shown,
               "no_number": sum(no_number for no_number, _ in flags), "repetitive": sum(rep for _, rep in flags)}
     return samples, torch.tensor(rewards, dtype=torch.float32), counts
 

@@ -46,5 +46,12 @@ def tb_scalars(run_dir: Path) -> dict[str, list[float]]:
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+def tb_texts(run_dir: Path, tag: str) -> list[str]:
+    """The run's tensorboard text entries under `tag`, in step order."""
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    return [e.tensor_proto.string_val[0].decode() for e in events.Tensors(f"{tag}/text_summary")]
+
+
 GPU_EXAMPLES = {"qwen3_8b_dapo_fp8.yaml": ("qwen3_8b.yaml", 8), "qwen2_5_32b_grpo_fp8.yaml": ("qwen2_5_32b.yaml", 24)}
 """The GPU run configs in examples/: {config: (model layout in examples/models, trainer GPUs)}."""

@@ -96,3 +96,17 @@ def test_reward_collapse_is_named_without_any_entropy_surge(tmp_path):
     assert "no entropy surge" in lines  # the collapse is not an entropy surge
     report = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
     assert "| tensorwise | 1 | 5.0% | 1.0% | 1.000 → 1.000 | 0.0% | 0.0% | 10.0 | 90.0% | 0.280 → 0.060 |" in report
+
+
+def test_report_shows_what_each_arm_writes_at_the_end(tmp_path):
+    writer = SummaryWriter(str(tmp_path / "t" / "tb"))
+    for step, text in ((1, "reward 1, stop: '42'"), (2, "reward 0, length: '4 4 4 4'\n\nreward 0, length: '5 5'")):
+        writer.add_scalar("reward/mean", 0.5, step)
+        writer.add_text("samples/responses", text, step)
+    writer.close()
+    runs = {"tensorwise": {"1": tmp_path / "t"}}
+    assert run_figures(tmp_path / "t", "tensorwise", "1").last_responses[0] == 2
+    report = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
+    section = report.split("## What each arm writes at the end")[1]
+    assert "**tensorwise** (seed 1, step 2):" in section and "reward 0, length: '4 4 4 4'\n" in section
+    assert "reward 1, stop" not in section

@@ -19,6 +19,17 @@ def test_first_reward_error_is_printed_and_logged_as_text(tmp_path, capsys):
     assert [e.value for e in events.Scalars("reward/errors")] == [3.0]
 
 
+def test_responses_are_logged_as_text_not_printed(tmp_path, capsys):
+    writer = SummaryWriter(str(tmp_path))
+    _log(writer, {"reward/mean": 0.5, "samples/responses": "reward 1, stop: '42'"}, step=3)
+    writer.close()
+    assert "samples/responses" not in capsys.readouterr().err
+    events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    events.Reload()
+    (text,) = events.Tensors("samples/responses/text_summary")
+    assert text.step == 3 and b"reward 1, stop: '42'" in text.tensor_proto.string_val[0]
+
+
 def test_plan_names_model_task_steps_and_where_logs_go():
     from megatron_fp8rl.config.loader import load_config
     from megatron_fp8rl.trainer.config import RunConfig

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.processes import run_torchrun
-from tests.helpers.train import CLI, run_train, tb_scalars
+from tests.helpers.train import CLI, run_train, tb_scalars, tb_texts
 
 
 @pytest.mark.multiprocess
@@ -240,6 +240,9 @@ def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_pa
     # the diagnostic's denominator: the A<0 values of m* (every logged step has some)
     assert len(scalars["clip/neg_values"]) == 2
     assert sum(v >= 1 for v in scalars["clip/neg_values"]) == len(scalars["clip/neg_overclip_before"])
+    responses = tb_texts(tmp_path, "samples/responses")  # what the policy wrote, each step
+    assert len(responses) == 2 and all(r.startswith("reward ") and (", length: " in r or ", stop: " in r)
+                                       for r in responses)
     state = json.loads(next((tmp_path / "checkpoints").rglob("trainer_state.json")).read_text())
     assert state["clip_calibration"]["calibrated"] is None and state["clip_calibration"]["calibrations"] == 2
 
