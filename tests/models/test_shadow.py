@@ -3,18 +3,7 @@ float32 twin's bit for bit, and nothing of the model changes."""
 import pytest
 import torch
 
-from megatron_fp8rl.compat import megatron_cpu
-from megatron_fp8rl.launch import init_distributed, shutdown_distributed
-
 VOCAB, SEQ, BATCH = 96, 12, 3
-
-
-@pytest.fixture
-def megatron_tp1():
-    layout = init_distributed(tensor_parallel=1, seed=5)
-    yield layout
-    shutdown_distributed()
-    megatron_cpu.disable()
 
 
 def _model(dtype, spec=None):
