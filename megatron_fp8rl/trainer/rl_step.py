@@ -90,7 +90,7 @@ def _rollout_until_full(ctx: StepContext, prompts: Prompts, step: int):
     groups and draw more batches (up to max_sampling_rounds) until `prompts_per_step` groups are
     kept. Round r's sampling seed is `rollout_seed(train.seed, step, r)`."""
     cfg = ctx.cfg
-    kept_samples, kept_rewards, seen, dropped, reward_stats, metrics_text = [], [], [], 0, {}, {}
+    kept_samples, kept_rewards, seen, dropped, reward_stats, responses = [], [], [], 0, {}, None
     for round_index in range(cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1):
         batch_prompts, answers = next(prompts)
         seed = rollout_seed(cfg.train.seed, step, round_index) if cfg.rollout.temperature > 0 else None
@@ -100,7 +100,7 @@ def _rollout_until_full(ctx: StepContext, prompts: Prompts, step: int):
         first_error, shown = stats.pop("first_error"), stats.pop("responses")
         if first_error:
             reward_stats.setdefault("first_error", first_error)
-        metrics_text.setdefault("samples/responses", shown)
+        responses = shown if responses is None else responses  # the first round's
         for key, value in stats.items():
             reward_stats[key] = reward_stats.get(key, 0) + value
         groups = rewards.view(len(batch_prompts), cfg.rollout.n_samples)
@@ -122,7 +122,7 @@ def _rollout_until_full(ctx: StepContext, prompts: Prompts, step: int):
                "response/no_number_frac": reward_stats.pop("no_number") / generated,
                "response/repetitive_frac": reward_stats.pop("repetitive") / generated,
                **{f"reward/{k}": v if isinstance(v, str) else float(v) for k, v in reward_stats.items()},
-               **metrics_text}
+               "samples/responses": responses}
     flat = [s for group in kept_samples for s in group]
     lengths = torch.tensor([len(s.token_ids) for s in flat], dtype=torch.float32)
     if flat:
