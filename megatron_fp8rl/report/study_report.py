@@ -10,6 +10,10 @@ Per run, from its tensorboard scalars (steps without a value skipped):
              tokens of the calibrated mini-batch that the arm's FP8 ratio clips and the
              high-precision shadow's ratio does not (algorithm.clip_calibration=monitor or shadow;
              runs without an FP8 trainer have no FP8 ratio: n/a, zero by construction)
+- overclip_pooled   the same over the run's A<0 values rather than its steps: sum over steps of
+             the share x clip/neg_values (how many A<0 values the share is of) / their sum; a step
+             with 3 such values counts 3, not as much as one with 90 (NaN for runs logged before
+             clip/neg_values existed); neg_values: that sum
 - clip_low   train/clip_frac_low: the share of response tokens the lower bound silenced
 - entropy    train/entropy at the first step and the mean of the last `TAIL` steps; drift = their ratio
 - no_number / repetitive / length / reward / truncated   the means of the last `TAIL` steps
@@ -90,6 +94,19 @@ def _first_step(run: RunLogs, tag: str, condition) -> float:
     return float(found[0][hits[0]]) if hits.size else math.nan
 
 
+def _pooled(run: RunLogs, share_tag: str, count_tag: str) -> tuple[float, float]:
+    """(sum of share x count / sum of count, sum of count) over the steps that logged both; NaNs
+    when the run logged no counts or no counted value."""
+    shares, counts = _series(run, share_tag), _series(run, count_tag)
+    if not shares or not counts:
+        return math.nan, math.nan
+    count_at = dict(zip(counts[0].tolist(), counts[1].tolist()))
+    pairs = [(share, count_at[step]) for step, share in zip(shares[0].tolist(), shares[1].tolist())
+             if count_at.get(step, 0) > 0]
+    total = sum(count for _, count in pairs)
+    return (sum(share * count for share, count in pairs) / total, total) if total else (math.nan, math.nan)
+
+
 def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
     """The figures of one finished run (`run_dir` holds tb/ and eval_correct.json)."""
     run = load_run(run_dir, name=f"{arm}/{seed}")
@@ -110,6 +127,7 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
         "accuracy": float(accuracy[1][-1]) if accuracy else math.nan,
         "train_forward_delta_max": _reduce(run, "noise/train_forward_abs_delta_max", np.max),
     }
+    values["overclip_pooled"], values["neg_values"] = _pooled(run, "clip/neg_overclip_before", "clip/neg_values")
     values["entropy_drift"] = values["entropy_last"] / values["entropy_first"] if entropy else math.nan
     values["collapsed"] = float(values["reward"] < REWARD_COLLAPSE * values["reward_first"])
     # when each sign first shows: over-clipping above the threshold, an entropy surge, garbling
@@ -173,8 +191,10 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
     if not measured:
         lines.append("- **Over-clipping**: no arm measured the diagnostic (no FP8 trainer arm finished).")
     else:
-        listed = ", ".join(f"{n} {_fmt(measured[n]['overclip'], percent=True)}" for n in sorted(measured,
-                           key=lambda n: -measured[n]["overclip"][0]))
+        listed = ", ".join(f"{n} {_fmt(measured[n]['overclip'], percent=True)}"
+                           + (f" (pooled over its A<0 values: {_fmt(measured[n]['overclip_pooled'], percent=True)})"
+                              if math.isfinite(measured[n]["overclip_pooled"][0]) else "")
+                           for n in sorted(measured, key=lambda n: -measured[n]["overclip"][0]))
         lines.append(f"- **Over-clipping** (mean share of A<0 tokens clipped by the arm's ratio and not by "
                      f"the shadow's; > {OVERCLIP_THRESHOLD:.0%} counts): "
                      + (f"{', '.join(over)} over-clip" if over else "no arm over-clips") + f". All: {listed}.")
@@ -243,7 +263,8 @@ def _paired_tests(arms: dict[str, list[RunFigures]], reference: str, name: str) 
     return out
 
 
-COLUMNS = (("seeds", None), ("diagnostic", "overclip"), ("lower clip", "clip_low"),
+COLUMNS = (("seeds", None), ("diagnostic", "overclip"), ("pooled over A<0 values (n)", "overclip_pooled"),
+           ("lower clip", "clip_low"),
            ("entropy first → last", None), ("no number", "no_number"), ("repetitive", "repetitive"),
            ("length", "length"), ("cut at limit", "truncated"), ("reward first → last", None),
            ("accuracy start → end", None))
@@ -254,7 +275,10 @@ def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
     lines = ["| arm | " + " | ".join(header) + " |", "|" + "---|" * (len(header) + 1)]
     for name, runs in arms.items():
         s = arm_summary(runs)
-        cells = [str(len(runs)), _fmt(s["overclip"], True), _fmt(s["clip_low"], True),
+        pooled = _fmt(s["overclip_pooled"], True)
+        if pooled != "n/a":
+            pooled += f" ({_fmt(s['neg_values'], digits=0)})"
+        cells = [str(len(runs)), _fmt(s["overclip"], True), pooled, _fmt(s["clip_low"], True),
                  f"{_fmt(s['entropy_first'])} → {_fmt(s['entropy_last'])}", _fmt(s["no_number"], True),
                  _fmt(s["repetitive"], True), _fmt(s["length"], digits=1), _fmt(s["truncated"], True),
                  f"{_fmt(s['reward_first'])} → {_fmt(s['reward'])}",

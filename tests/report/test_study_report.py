@@ -95,7 +95,7 @@ def test_reward_collapse_is_named_without_any_entropy_surge(tmp_path):
     assert "**Reward collapse**" in lines and "tensorwise (1 of 1 seeds)" in lines and "bf16 (" not in lines
     assert "no entropy surge" in lines  # the collapse is not an entropy surge
     report = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
-    assert "| tensorwise | 1 | 5.0% | 1.0% | 1.000 → 1.000 | 0.0% | 0.0% | 10.0 | 90.0% | 0.280 → 0.060 |" in report
+    assert "| tensorwise | 1 | 5.0% | n/a | 1.0% | 1.000 → 1.000 | 0.0% | 0.0% | 10.0 | 90.0% | 0.280 → 0.060 |" in report
 
 
 def test_report_shows_what_each_arm_writes_at_the_end(tmp_path):
@@ -110,3 +110,19 @@ def test_report_shows_what_each_arm_writes_at_the_end(tmp_path):
     section = report.split("## What each arm writes at the end")[1]
     assert "**tensorwise** (seed 1, step 2):" in section and "reward 0, length: '4 4 4 4'\n" in section
     assert "reward 1, stop" not in section
+
+
+def test_diagnostic_pooled_over_negative_values_weights_each_step_by_its_count(tmp_path):
+    """A step whose share is of 3 A<0 values weighs 3/93 of the pooled figure, not half of it; a run
+    logged without clip/neg_values has no pooled figure."""
+    scalars = _scalars([0.0, 1 / 3] + [math.nan] * 6)
+    scalars["clip/neg_values"] = [90.0, 3.0] + [0.0] * 6
+    run = run_figures(_run(tmp_path / "t", scalars, {8: [1, 0]}), "tensorwise", "1")
+    assert run.values["overclip"] == pytest.approx(1 / 6)  # mean over the 2 measured steps
+    assert run.values["overclip_pooled"] == pytest.approx(1 / 93) and run.values["neg_values"] == 93
+    old = run_figures(_run(tmp_path / "o", _scalars([0.05] * 8), {8: [1, 0]}), "tensorwise", "1")
+    assert math.isnan(old.values["overclip_pooled"])
+    runs = {"tensorwise": {"1": tmp_path / "t"}, "tensorwise_cc": {"1": tmp_path / "o"}}
+    report = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
+    assert "| tensorwise | 1 | 16.7% | 1.1% (93) |" in report and "| tensorwise_cc | 1 | 5.0% | n/a |" in report
+    assert "tensorwise 16.7% (pooled over its A<0 values: 1.1%)" in report
