@@ -248,18 +248,27 @@ def _paired_text(arms: dict[str, list[RunFigures]], reference: str, name: str) -
     tests = _paired_tests(arms, reference, name)
     if not tests:
         return f"no paired test against {reference} (no shared seed with per-problem results)"
-    parts = [f"seed {seed}: {int(t['gained'])} gained / {int(t['lost'])} lost, p = {t['mcnemar_p']:.2g}"
-             for seed, t in tests.items()]
+    parts = [f"{'all seeds' if seed == POOLED else f'seed {seed}'}: {int(t['gained'])} gained / "
+             f"{int(t['lost'])} lost, p = {t['mcnemar_p']:.2g}" for seed, t in tests.items()]
     return f"vs {reference} on the same problems: " + "; ".join(parts)
 
 
+POOLED = "all"
+"""The key of `_paired_tests`' test over every shared seed's problems together."""
+
+
 def _paired_tests(arms: dict[str, list[RunFigures]], reference: str, name: str) -> dict[str, dict]:
-    """seed -> McNemar of arm `name`'s last eval against the reference arm's, same seed."""
+    """seed -> McNemar of arm `name`'s last eval against the reference arm's, same seed; with two
+    or more such seeds also POOLED -> the same test over all their problems together."""
     refs = {r.seed: r for r in arms.get(reference, [])}
-    out = {}
+    out, pairs = {}, []
     for run in arms.get(name, []):
         if run.seed in refs and (test := paired_against(refs[run.seed], run)) is not None:
             out[run.seed] = test
+            pairs.append((refs[run.seed], run))
+    if len(pairs) > 1:  # one McNemar over every seed's problems: seed s's run against the reference's seed s
+        out[POOLED] = paired_eval_change([bool(c) for ref, _ in pairs for c in ref.eval_final],
+                                         [bool(c) for _, run in pairs for c in run.eval_final])
     return out
 
 
@@ -284,8 +293,8 @@ def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
                  f"{_fmt(s['reward_first'])} → {_fmt(s['reward'])}",
                  f"{_fmt(s['accuracy_start'])} → {_fmt(s['accuracy'])}"]
         tests = _paired_tests(arms, reference, name) if name != reference else {}
-        cells.append(", ".join(f"+{int(t['gained'])}/−{int(t['lost'])} p={t['mcnemar_p']:.2g}"
-                               for t in tests.values()) or "—")
+        cells.append(", ".join(f"{'all: ' if seed == POOLED else ''}+{int(t['gained'])}/−{int(t['lost'])} "
+                               f"p={t['mcnemar_p']:.2g}" for seed, t in tests.items()) or "—")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

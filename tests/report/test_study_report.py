@@ -73,6 +73,8 @@ def test_report_writes_markdown_and_figures(study):
     text = report.read_text()
     assert "## Verdict" in text and "| tensorwise | 2 | 4.0% [3.0%, 5.0%]" in text
     assert "+0/−3 p=0.25" in text  # tensorwise vs bf16, each seed: 3 problems lost
+    assert "all: +0/−6 p=0.031" in text  # both seeds' problems in one test: 2 x 0.5^6
+    assert "| tensorwise_cc | 1 |" in text and "all:" not in text.split("| tensorwise_cc |")[1]  # one seed
     assert "10.0 min" in text
     for name in ("curves.png", "accuracy.png"):
         assert_png(tmp_path / "report" / name)
