@@ -241,7 +241,7 @@ def _collapse_line(arms: dict[str, list[RunFigures]]) -> str:
     rewards = ", ".join(f"{name} {_fmt(spread([r.values['reward_first'] for r in runs]))} -> "
                         f"{_fmt(spread([r.values['reward'] for r in runs]))}" for name, runs in arms.items())
     return (f"- **Reward collapse** (mean reward of the last {TAIL} steps under {REWARD_COLLAPSE:g}x the first "
-            f"{TAIL}'): " + (", ".join(hit) if hit else "no arm") + f". Reward first -> last: {rewards}.")
+            f"{TAIL}): " + (", ".join(hit) if hit else "no arm") + f". Reward first -> last: {rewards}.")
 
 
 def _paired_text(arms: dict[str, list[RunFigures]], reference: str, name: str) -> str:
