@@ -72,9 +72,9 @@ ARMS = (
 # Sizes: 2 prompts x 8 samples a step, 64 held-out problems at the start and the end. Measured on
 # a quiet 2-core box (2026-12-03): tensorwise 1226 s a run, blockwise 1599 s, aligned 1744 s (a
 # test suite ran beside it for 10 of its minutes), a step 32-45 s (rollout 8-11, recompute 6-9,
-# train 17-24); the twelve of results/stability took 875-2472 s each, 5.0 hours in all (timings.json),
-# over the 3: split across invocations (a
-# finished run is kept) or shorten with --steps.
+# train 17-24); the twelve of results/stability took 875-2472 s each, 5.0 hours in all
+# (timings.json), over the 3: split across invocations (a finished run is kept) or
+# shorten with --steps.
 FULL = {"train.steps": 30, "data.prompts_per_step": 2, "rollout.n_samples": 8,
         "rollout.max_new_tokens": 16, "train.micro_batch_size": 8, "train.mini_batches": 2,
         "data.eval_size": 64, "train.eval_every": 30}
@@ -177,8 +177,8 @@ def _kill_started(marker: str, seen: dict[int, float]) -> None:
 
 PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
             "float32 outside the FP8 GEMMs, the bf16 arms run Megatron bf16 mixed precision and bf16 "
-            "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). Key arms ran every seed, the others the first. Command: `megatron-fp8rl "
-            "stability` (bench/stability.py); per-run plots in runs/.")
+            "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). Key arms ran every seed, the others "
+            "the first. Command: `megatron-fp8rl stability` (bench/stability.py); per-run plots in runs/.")
 
 
 def config_differences(run_dir: Path, overrides: list[str]) -> list[str]:

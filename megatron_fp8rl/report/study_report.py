@@ -46,6 +46,8 @@ GARBLE_RISE = 0.10
 """Rise of the garbled share (no number, or repetitive) over the reference arm's that counts."""
 REWARD_COLLAPSE = 0.5
 """A run collapses when its last `TAIL` steps' mean reward is under this share of its first's."""
+POOLED = "all"
+"""The key of `_paired_tests`' test over every shared seed's problems together."""
 
 
 @dataclass
@@ -253,10 +255,6 @@ def _paired_text(arms: dict[str, list[RunFigures]], reference: str, name: str) -
     return f"vs {reference} on the same problems: " + "; ".join(parts)
 
 
-POOLED = "all"
-"""The key of `_paired_tests`' test over every shared seed's problems together."""
-
-
 def _paired_tests(arms: dict[str, list[RunFigures]], reference: str, name: str) -> dict[str, dict]:
     """seed -> McNemar of arm `name`'s last eval against the reference arm's, same seed; with two
     or more such seeds also POOLED -> the same test over all their problems together."""
@@ -285,7 +283,7 @@ def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
     for name, runs in arms.items():
         s = arm_summary(runs)
         pooled = _fmt(s["overclip_pooled"], True)
-        if pooled != "n/a":
+        if math.isfinite(s["overclip_pooled"][0]):
             pooled += f" ({_fmt(s['neg_values'], digits=0)})"
         cells = [str(len(runs)), _fmt(s["overclip"], True), pooled, _fmt(s["clip_low"], True),
                  f"{_fmt(s['entropy_first'])} → {_fmt(s['entropy_last'])}", _fmt(s["no_number"], True),
