@@ -14,6 +14,9 @@ Per run, from its tensorboard scalars (steps without a value skipped):
              the share x clip/neg_values (how many A<0 values the share is of) / their sum; a step
              with 3 such values counts 3, not as much as one with 90 (NaN for runs logged before
              clip/neg_values existed); neg_values: that sum
+- overclip_after   clip/neg_overclip_after, the same share with the bounds calibrated on that very
+             step (in-sample; the `overclip` share is with the bounds in force, calibrated a step
+             before): what no calibration of the bounds can remove
 - clip_low   train/clip_frac_low: the share of response tokens the lower bound silenced
 - entropy    train/entropy at the first step and the mean of the last `TAIL` steps; drift = their ratio
 - no_number / repetitive / length / reward / truncated   the means of the last `TAIL` steps
@@ -116,6 +119,7 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
     values = {
         "overclip": _reduce(run, "clip/neg_overclip_before", np.mean),
         "overclip_max": _reduce(run, "clip/neg_overclip_before", np.max),
+        "overclip_after": _reduce(run, "clip/neg_overclip_after", np.mean),
         "clip_low": _reduce(run, "train/clip_frac_low", np.mean),
         "entropy_first": float(entropy[1][0]) if entropy else math.nan,
         "entropy_last": _reduce(run, "train/entropy", lambda v: v[-TAIL:].mean()),
@@ -223,7 +227,8 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
             continue
         plain, cc = summaries[name], summaries[calibrated]
         lines.append(f"- **Calibrated Clipping on {name}**: diagnostic {_fmt(plain['overclip'], percent=True)} -> "
-                     f"{_fmt(cc['overclip'], percent=True)}; held-out accuracy {_fmt(plain['accuracy'])} -> "
+                     f"{_fmt(cc['overclip'], percent=True)} (with bounds calibrated on the same step: "
+                     f"{_fmt(cc['overclip_after'], percent=True)}); held-out accuracy {_fmt(plain['accuracy'])} -> "
                      f"{_fmt(cc['accuracy'])} ({reference}: {_fmt(ref['accuracy'])}); "
                      + _paired_text(arms, reference, calibrated) + ".")
     for name in ("aligned", "aligned_cc"):

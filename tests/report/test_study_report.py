@@ -29,6 +29,7 @@ def _scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8, reward=None
            "response/truncated_frac": [truncated] * steps}
     if overclip is not None:
         out["clip/neg_overclip_before"] = overclip
+        out["clip/neg_overclip_after"] = [v / 2 for v in overclip]
     return out
 
 
@@ -62,7 +63,7 @@ def test_verdict_names_the_overclipping_arm_and_the_paired_tests(study):
     assert "tensorwise over-clip" in lines and "tensorwise_cc over-clip" not in lines
     assert "entropy surges" in lines and "output garbles" in lines  # drift 1.9 > 1.5; +30 points no-number
     assert "over-clipping from step 1, entropy surge from step 4" in lines  # entropy 1.0 at steps 1-3
-    assert "diagnostic 4.0% [3.0%, 5.0%] -> 0.2%" in lines
+    assert "diagnostic 4.0% [3.0%, 5.0%] -> 0.2% (with bounds calibrated on the same step: 0.1%)" in lines
     expected = paired_eval_change([bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]], [bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]])
     assert f"seed 1: 0 gained / 0 lost, p = {expected['mcnemar_p']:.2g}" in lines
 
