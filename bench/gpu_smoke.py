@@ -1,4 +1,4 @@
-"""GPU smoke kit: the four GPU-tier facts the CPU machine cannot measure, in one run (scripts/gpu_smoke.sh).
+"""GPU smoke kit: the five GPU-tier facts the CPU machine cannot measure, in one run (scripts/gpu_smoke.sh).
 
 1. linears: our FP8 linear (calibrated recipe, gemm 'auto' = torch._scaled_mm on CUDA) against a
    bf16 `F.linear` at Qwen3-8B's linear shapes, forward and forward+backward; ratio FP8/bf16.
@@ -9,6 +9,13 @@
    CPU: are its scales and FP8 codes bit-identical (the aligned rollout depends on it)?
 4. batch_invariance: does row i of `torch._scaled_mm(x[:M], w^T)` change with M (per-tensor and
    row-wise scales)? Bit-equal rows are what a batch-invariant FP8 GEMM must give.
+5. weight_ipc: the colocated weight sync's transport without SGLang (the GPU machine has none):
+   one decoder layer's HF tensors (bf16, down_proj as FP8 with its scale) flattened into one
+   bucket as `SGLangEngine` does (`transfer_device`, `flatten_bucket`: on CUDA a bucket on the
+   GPU, on the CPU the kept shared-memory buffer), pickled by torch's reductions (a CUDA IPC
+   handle / a shared segment), rebuilt in a spawned process that copies every tensor out into
+   its own tensors on the same device: bit-equal? seconds per sync against a memcpy of the same
+   bytes (the ratio bench/weight_sync.py reports for the tensor transfer on the CPU).
 `--tiny` runs the same code on tiny shapes on the CPU (the default test suite runs it, so the kit
 does not rot). Prints one JSON document; `--out` also writes it.
 
@@ -18,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import pickle
 import statistics
 import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's reductions: CUDA IPC, shared memory)
 import torch.nn.functional as F
 
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
@@ -175,6 +185,83 @@ def batch_invariance(device: torch.device, k: int, n: int, ms: tuple[int, ...]) 
     return results
 
 
+def _layer_tensors(hf: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """One decoder layer's HF tensors as an FP8 sync sends them (seeded, made on the CPU): bf16,
+    but down_proj as FP8 E4M3 with an fp32 weight_scale."""
+    heads, kv, head_dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    hidden, ffn = hf["hidden_size"], hf["intermediate_size"]
+    shapes = {"self_attn.q_proj.weight": (heads * head_dim, hidden), "self_attn.k_proj.weight": (kv * head_dim, hidden),
+              "self_attn.v_proj.weight": (kv * head_dim, hidden), "self_attn.o_proj.weight": (hidden, heads * head_dim),
+              "mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden),
+              "input_layernorm.weight": (hidden,)}
+    gen = torch.Generator().manual_seed(3)
+    tensors = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
+    tensors["mlp.down_proj.weight"] = torch.randn(hidden, ffn, generator=gen).to(torch.float8_e4m3fn)
+    tensors["mlp.down_proj.weight_scale"] = torch.tensor(0.01)
+    return {f"model.layers.0.{name}": t.to(device) for name, t in tensors.items()}
+
+
+def _ipc_receiver(conn, hf: dict, device_name: str) -> None:
+    """The spawned side of `weight_ipc`: rebuild each bucket, copy it out, answer the seconds that
+    took, then whether the copies are bit-equal to its own copy of the layer; an empty message
+    ends it."""
+    device = torch.device(device_name)
+    expected = _layer_tensors(hf, device)
+    targets = {name: torch.empty_like(t) for name, t in expected.items()}
+    while message := conn.recv_bytes():
+        start = time.perf_counter()
+        flat, layout = pickle.loads(message)
+        for name, low, high in layout:
+            targets[name].reshape(-1).view(torch.uint8).copy_(flat[low:high])
+        _sync(device)
+        del flat
+        conn.send(time.perf_counter() - start)  # the sync's end; the check below is not timed
+        conn.send(all(torch.equal(targets[n].reshape(-1).view(torch.uint8), expected[n].reshape(-1).view(torch.uint8))
+                      for n in expected))
+
+
+def weight_ipc(hf: dict, device: torch.device, rounds: int = 3) -> dict[str, object]:
+    """One layer through the colocated sync's transport into a spawned process (see item 5)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from megatron_fp8rl.rollout.weight_transfer import BucketBuffer, flatten_bucket, transfer_device
+
+    tensors = _layer_tensors(hf, device)
+    where = transfer_device(tensors.values())
+    buffer = BucketBuffer(where, shared=True) if where.type == "cpu" else None
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    targets = {name: torch.empty_like(t) for name, t in tensors.items()}
+    memcpy_s = _time(lambda: [targets[n].copy_(t) for n, t in tensors.items()], device, rounds)
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    receiver = context.Process(target=_ipc_receiver, args=(theirs, hf, str(device)), daemon=True)
+    receiver.start()
+    syncs, received, equal = [], [], []
+    try:
+        for _ in range(rounds + 1):  # the first opens the receiver's mapping / IPC handle: not timed
+            _sync(device)
+            start = time.perf_counter()
+            ordered, flat = flatten_bucket(list(tensors.items()), where, buffer)
+            layout, offset = [], 0
+            for name, t in ordered:
+                layout.append((name, offset, offset + t.numel() * t.element_size()))
+                offset += t.numel() * t.element_size()
+            ours.send_bytes(bytes(ForkingPickler.dumps((flat, layout))))
+            received.append(ours.recv())
+            syncs.append(time.perf_counter() - start)
+            equal.append(ours.recv())
+            del flat
+        ours.send_bytes(b"")
+    finally:
+        receiver.join(timeout=60)
+        if receiver.is_alive():
+            receiver.kill()
+    sync_s, receive_s = statistics.median(syncs[1:]), statistics.median(received[1:])
+    return {"bucket_device": str(where), "bucket_mb": nbytes / 1e6, "bit_equal": all(equal),
+            "memcpy_s": memcpy_s, "sync_s": sync_s, "receiver_copy_s": receive_s,
+            "speed_vs_memcpy": memcpy_s / sync_s, "exit_code": receiver.exitcode}
+
+
 def run(tiny: bool) -> dict[str, object]:
     from megatron_fp8rl.launch import init_distributed, shutdown_distributed
 
@@ -189,7 +276,8 @@ def run(tiny: bool) -> dict[str, object]:
                 "linears": linears(hf, tokens, device, reps=3 if tiny else 10),
                 "megatron_step": megatron_step(hf, batch, device),
                 "recipe_scales": recipe_scales(device, (tokens, hf["hidden_size"])),
-                "batch_invariance": batch_invariance(device, k, n, ms)}
+                "batch_invariance": batch_invariance(device, k, n, ms),
+                "weight_ipc": weight_ipc(hf, device)}
     finally:
         shutdown_distributed()
 

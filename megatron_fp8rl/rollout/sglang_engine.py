@@ -46,7 +46,7 @@ from megatron_fp8rl.rollout.sglang_common import (
     sglang_sampling,
 )
 from megatron_fp8rl.rollout.sglang_rows import LOADER as ROWS_LOADER, row_key
-from megatron_fp8rl.rollout.weight_transfer import BucketBuffer, RowChunk, flatten_bucket, transfer_parts
+from megatron_fp8rl.rollout.weight_transfer import BucketBuffer, RowChunk, flatten_bucket, transfer_device, transfer_parts
 from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
 
 
@@ -62,9 +62,12 @@ class SGLangEngine:
 
     def __init__(self, config: SGLangConfig, bucket_mb: float = 512):
         """`bucket_mb`: the largest group of tensors one `update_weights_from_tensor` call
-        carries: each call copies its tensors into one shared-memory buffer of that size, reused
-        by the calls of one sync. A larger embedding or lm_head goes in row chunks of that size; any other
-        larger tensor goes alone (and the buffer grows to it)."""
+        carries. A CPU snapshot's buckets are copied into one shared-memory buffer of that size,
+        allocated at the first sync and kept until `shutdown`: host memory, which SGLang's CPU
+        tier does not release for the train phase either, and the sync it saves costs more than
+        the copies (bench/weight_sync.py). A CUDA snapshot's buckets stay on its GPU
+        (`transfer_device`). A larger embedding or lm_head goes in row chunks of that size; any
+        other larger tensor goes alone (and the buffer grows to it)."""
         self.config = config
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.buffer = BucketBuffer(torch.device("cpu"), shared=True)
@@ -151,26 +154,36 @@ class SGLangEngine:
             for index, part in enumerate(parts):
                 self._update_part(part, str(version) if index == len(parts) - 1 else None)
         finally:
-            self.buffer.release()  # nothing held between syncs
             self._expect_success("end_weight_update", lambda: self._engine.end_weight_update())
         self.weight_version = version
 
     def _update_part(self, part: list[tuple[str, torch.Tensor]] | RowChunk, version: str | None) -> None:
         """One update_weights_from_tensor call; the last (with `version`) flushes the KV cache.
-        A bucket travels as one flat buffer in shared memory (SGLang's flattened-bucket format):
-        one copy of its bytes and one shared segment, where a list of tensors cost a segment each
-        (measured at SmolLM2 size, fp32: 10.2 s/GB, 0.05x memcpy, per tensor). A row chunk goes
-        through the same buffer to `sglang_rows.load_vocab_rows`."""
+        A bucket travels as one flat buffer (SGLang's flattened-bucket format): on the CPU one
+        copy of its bytes into the kept shared segment, where a list of tensors cost a segment each
+        (measured at SmolLM2 size, fp32: 10.2 s/GB, 0.05x memcpy, per tensor). A CUDA bucket
+        is flattened on its GPU into a new tensor, which torch's reductions send as a CUDA IPC
+        handle (with SGLang's device-UUID patch, as its scheduler expects): one device-to-device
+        copy and no host memory. A new one per bucket, not a reused one: torch keeps a sent CUDA
+        block from reuse until the receiver has let it go, and the scheduler's copies out of it
+        run on its own stream. A row chunk goes the same way to `sglang_rows.load_vocab_rows`."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
+        tensors = [part.rows] if isinstance(part, RowChunk) else [t for _, t in part]
+        device = transfer_device(tensors)
+        buffer = self.buffer if device.type == "cpu" else None
+        if device.type == "cuda":
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()
         if isinstance(part, RowChunk):
-            _, flat = flatten_bucket([(part.name, part.rows)], torch.device("cpu"), self.buffer)
+            _, flat = flatten_bucket([(part.name, part.rows)], device, buffer)
             rows = flat.view(part.rows.dtype).view(part.rows.shape)
             payload, load_format = [(row_key(part.name, part.start), rows)], ROWS_LOADER
         else:
-            ordered, flat = flatten_bucket(part, torch.device("cpu"), self.buffer)
+            ordered, flat = flatten_bucket(part, device, buffer)
             metadata, offset = [], 0
             for name, tensor in ordered:
                 nbytes = tensor.numel() * tensor.element_size()
@@ -239,6 +252,7 @@ class SGLangEngine:
             watchdog.stop()
         self._kill_children()
         self._reaper.stop()
+        self.buffer.release()
         sglang_cpu.close_sockets(self._engine, self._engine.tokenizer_manager)
         # The stock Engine registered its own shutdown, which kills every child of this process.
         atexit.unregister(self._engine.shutdown)

@@ -87,19 +87,22 @@ def transfer_parts(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_byt
 
 
 class BucketBuffer:
-    """One flat byte buffer that every bucket of a sync is copied into, released at its end.
-    A fresh shared-memory segment per bucket cost more than the rest of the transfer: allocating
-    and first touching 64 MiB of shared memory took 35-45 ms, refilling a touched one 3 ms
-    (measured on the 2-core box), and the fresh SmolLM2 segments were 0.37 s of a 0.72 s sync.
-    It grows to the largest bucket asked for (a tensor that goes alone can make it larger than a
-    bucket). Kept between syncs it saved another 0.13 s/GB at SmolLM2 size (0.46 vs 0.59), not
-    worth a bucket of memory held through the train phase (GPU memory with NCCL)."""
+    """One flat byte buffer that every bucket of a sync is copied into. A fresh shared-memory
+    segment per bucket cost more than the rest of the transfer: allocating and first touching
+    64 MiB of shared memory took 35-45 ms, refilling a touched one 3 ms (measured on the 2-core
+    box), and the fresh SmolLM2 segments were 0.37 s of a 0.72 s sync. It grows to the largest
+    bucket asked for (a tensor that goes alone can make it larger than a bucket). Its owner
+    decides whether it lives past a sync (`release`): the in-process engine keeps its host
+    buffer (a 512 MiB segment's allocation and unmapping were 0.20 s of a 0.44 s SmolLM2 sync);
+    a device buffer (NCCL) is released, its memory being the train phase's."""
 
     def __init__(self, device: torch.device, shared: bool = False):
         """`shared`: a CPU buffer in shared memory, so that handing it to another process (SGLang's
         scheduler, through torch's multiprocessing reductions) copies nothing more."""
         self.device, self.shared = device, shared
         self._buffer: torch.Tensor | None = None
+        self.allocations = 0
+        """Buffers allocated so far (a kept buffer is allocated once, unless a bucket outgrows it)."""
 
     def take(self, nbytes: int) -> torch.Tensor:
         """The first `nbytes` bytes of the buffer (uint8), grown first when smaller."""
@@ -110,6 +113,7 @@ class BucketBuffer:
                 self._buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
             else:
                 self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.allocations += 1
         return self._buffer[:nbytes]
 
     @property
@@ -140,6 +144,16 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device,
         flat[offset:offset + data.numel()].copy_(data)
         offset += data.numel()
     return ordered, flat
+
+
+def transfer_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """Where a bucket of `tensors` is flattened for a transfer: the CUDA device of the first CUDA
+    tensor (a GPU snapshot stays on the GPU: its bucket goes to SGLang as a CUDA IPC handle, not
+    through host memory), else the CPU."""
+    for tensor in tensors:
+        if tensor.device.type == "cuda":
+            return tensor.device
+    return torch.device("cpu")
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -235,7 +249,8 @@ class DistributedWeightSender:
                 where = f"bucket {index + 1} of {len(parts)} ({len(bucket)} tensors from {bucket[0][0]!r})"
                 self._send_bucket(bucket, version if index == len(parts) - 1 else None, where)
         finally:
-            self.buffer.release()  # nothing held between syncs
+            if self.device.type != "cpu":
+                self.buffer.release()  # the train phase's device memory; a host buffer is kept
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None, where: str) -> None:
         ordered, flat = flatten_bucket(bucket, self.device, self.buffer)
@@ -260,6 +275,7 @@ class DistributedWeightSender:
 
     def close(self) -> None:
         """Leave the group (the server's side goes with the server)."""
+        self.buffer.release()
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None

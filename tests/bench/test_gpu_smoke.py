@@ -2,7 +2,8 @@
 loans. It runs in a subprocess (`python -S`, no site-packages) that sees only what the GPU machine
 will have: the standard library, torch and its own dependencies, and the wheelhouse of
 scripts/gpu_smoke.sh (megatron-core, numpy, packaging) -- an import of anything else (einops, yaml,
-transformers, sglang, ...) fails there as it would there. One process, ~15 s."""
+transformers, sglang, ...) fails there as it would there. Two processes (the kit and its spawned
+weight receiver), ~10 s."""
 import json
 import math
 import os
@@ -60,3 +61,6 @@ def test_smoke_kit_cpu_path_runs_with_only_the_gpu_machines_packages(tmp_path):
     assert result["recipe_scales"]["scales_equal"] and result["recipe_scales"]["codes_equal"]
     probe = result["batch_invariance"]["per_tensor"]
     assert set(probe) == {"1", "16", "64"} and probe["64"]["bit_equal"]
+    ipc = result["weight_ipc"]  # the spawned receiver got the layer bit for bit, and exited
+    assert ipc["bucket_device"] == "cpu" and ipc["bit_equal"] and ipc["exit_code"] == 0
+    assert ipc["sync_s"] > ipc["receiver_copy_s"] > 0 and ipc["speed_vs_memcpy"] > 0

@@ -112,6 +112,20 @@ def test_vocab_tensors_larger_than_a_bucket_go_in_row_chunks(engine, hf_model, q
         torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=LOGPROB_ATOL, rtol=0)
 
 
+def test_cpu_syncs_reuse_one_kept_host_bucket_and_serve_each_syncs_weights(engine, hf_model, qwen3_dir):
+    """The shared-memory bucket outlives a sync (allocating and unmapping it was most of a SmolLM2
+    sync): the second sync allocates nothing, and what it serves is its own weights, not bytes
+    left from the first."""
+    allocations = []
+    for seed, version in ((17, 5), (19, 6)):
+        new_weights = random_state_dict(qwen3_dir, seed=seed)
+        engine.update_weights(new_weights.items(), version=version)
+        allocations.append(engine.buffer.allocations)
+        hf.load_state_dict(hf_model, new_weights)
+        _check_greedy_matches(engine, hf_model, version=version)
+    assert engine.buffer.nbytes > 0 and allocations[1] == allocations[0]
+
+
 def test_release_and_resume_are_no_ops_on_cpu(engine):
     engine.release_memory()
     engine.resume_memory()

@@ -97,9 +97,15 @@ def test_distributed_update_in_buckets_matches_transformers(server, tiny_dirs):
         torch.testing.assert_close(torch.tensor(sample.logprobs), hf.token_logprobs(model, prompt, sample.token_ids),
                                    atol=1e-4, rtol=0)
         assert sample.weight_version == 3
-    # a second update reuses the group
-    server.update_weights(random_state_dict(tiny_dirs["llama"], seed=6).items(), version=4)
-    assert server.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=2))[0].weight_version == 4
+    # a second update reuses the group and the host bucket buffer, and serves its own weights
+    allocations = server._sender.buffer.allocations
+    second = random_state_dict(tiny_dirs["llama"], seed=6)
+    server.update_weights(second.items(), version=4)
+    assert server._sender.buffer.allocations == allocations and server._sender.buffer.nbytes > 0
+    hf.load_state_dict(model, second)
+    for sample, prompt in zip(server.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10)), PROMPTS):
+        assert sample.token_ids == hf.greedy(model, prompt, 10, EOS_TOKEN_ID)
+        assert sample.weight_version == 4
 
 
 @pytest.mark.slow
