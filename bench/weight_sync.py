@@ -30,48 +30,68 @@ Usage: python bench/weight_sync.py --only tensor [--weights smollm2|qwen3-8b-lay
        [--layers 2] [--vocab 4096] [--rounds 3] [--bucket-mb 512] [--profile tensor]
 The SmolLM2 folder comes from `python tools/materialize_smollm2.py .cache/smollm2`.
 
-Measured 2026-12-03 on the 2-core box, quiet (load average 0.8-1.6), one invocation per row
-(`--cache /tmp/ws_cache`, --rounds 3; 2 for the 2.9 GB rows); "before" = the code before the reused
-bucket buffer and the vocabulary row chunks, run the same day from a worktree of 60d80be:
+Measured on the 2-core box, one invocation per row (`--cache /tmp/ws_cache`, --rounds 5; 2 for
+the 2.9 GB rows). 2026-12-03: the reused bucket buffer and the vocabulary row chunks, against the
+code before them (a worktree of 60d80be). 2026-12-04: the host bucket buffer kept between syncs,
+against the code before it (a worktree of 4ae1c44 with PYTHONPATH set to it, same day; the box
+was slower than the day before: load average 0.3-2.1, the benches' own processes included):
 
-| weights (GB sent)                      | transfer, bucket     | s/GB before -> after | vs memcpy before -> after | peak extra MB before -> after |
-|----------------------------------------|----------------------|----------------------|---------------------------|-------------------------------|
-| smollm2 fp32 (0.54)                    | tensor, 64 MiB       | 1.17 -> 0.56         | 0.06x -> 0.13x            | 177 -> 67 (one bucket)        |
-| smollm2 fp8 (0.22)                     | tensor, 64 MiB       | 3.54 -> 2.01         | 0.02x -> 0.04x            | 113 (the embedding) -> 67     |
-| smollm2 fp8 (0.22)                     | distributed, 64 MiB  | 4.03 -> 2.77         | 0.02x -> 0.03x            | 70 -> 67                      |
-| qwen3-8b-layers fp8, vocab 151936 (2.9)| tensor, 512 MiB      | 1.81 -> 1.17         | 0.04x -> 0.05x            | 1295 -> 554 (target 730)      |
-| qwen3-8b-layers fp8, vocab 151936 (2.9)| distributed, 512 MiB | 1.85 (after)         | 0.03x (after)             | 419 (after)                   |
-memcpy ran at 0.063-0.077 s/GB. The 2.9 GB rows are 2 full-width Qwen3-8B layers (193 MB each in
+| weights (GB sent)                      | transfer, bucket     | s/GB 12-03: before -> after | 12-04: before -> kept buffer | vs memcpy 12-04: before -> kept | peak extra MB 12-04 (held between syncs) |
+|----------------------------------------|----------------------|-----------------------------|------------------------------|---------------------------------|------------------------------------------|
+| smollm2 fp32 (0.54)                    | tensor, 512 MiB      | -                           | 0.94 -> 0.33                 | 0.10x -> 0.23x                  | 536 (536)                                |
+| smollm2 fp32 (0.54)                    | tensor, 64 MiB       | 1.17 -> 0.56                | - -> 0.56                    | - -> 0.16x                      | 67 (67)                                  |
+| smollm2 fp8 (0.22)                     | tensor, 64 MiB       | 3.54 -> 2.01                | 2.01 -> 1.82                 | 0.05x -> 0.05x                  | 67 (67)                                  |
+| smollm2 fp8 (0.22)                     | distributed, 64 MiB  | 4.03 -> 2.77                | - -> 2.76                    | - -> 0.03x                      | 67 (67)                                  |
+| qwen3-8b-layers fp8, vocab 151936 (2.9)| tensor, 512 MiB      | 1.81 -> 1.17                | - -> 1.30                    | - -> 0.05x                      | 554 (537); target 730                    |
+| qwen3-8b-layers fp8, vocab 151936 (2.9)| distributed, 512 MiB | - -> 1.85                   | 3.10 -> 2.38                 | 0.02x -> 0.03x                  | 386 (386); target 730                    |
+memcpy ran at 0.048-0.097 s/GB. The 2.9 GB rows are 2 full-width Qwen3-8B layers (193 MB each in
 FP8) and Qwen3-8B's real untied bf16 embedding and lm_head (1245 MB each). Peak memory target
-(issue 18): one bucket + one FP8 layer = 537 + 193 = 730 MB: met by both transfers.
+(issue 18): one bucket + one FP8 layer = 537 + 193 = 730 MB: met by both transfers, the buffer
+held between syncs included (the bench adds it to the peak it measures during a later sync).
 
-What changed: (1) every bucket of a sync is copied into one flat buffer (`BucketBuffer`), reused
-and released at the sync's end: a fresh shared-memory segment per bucket (allocation and first
-touch: 35-45 ms per 64 MiB, against 3 ms to refill a touched one) was 0.37 s of a 0.72 s SmolLM2
-sync. (2) An embedding or lm_head larger than a bucket goes in row chunks of a bucket each,
-loaded by `rollout/sglang_rows.load_vocab_rows` (SGLang's custom_weight_loader hook) into the rows
-its TP rank holds; before, it was moved into shared memory whole (1.25 GB at Qwen3-8B). (3) The
-finite check reads FP8 codes as bytes (`weights._fp8_finite`): 0.25 -> 0.02 s for SmolLM2's FP8
-linears.
+What changed: (1) every bucket of a sync is copied into one flat buffer (`BucketBuffer`), reused:
+a fresh shared-memory segment per bucket (allocation and first touch: 35-45 ms per 64 MiB,
+against 3 ms to refill a touched one) was 0.37 s of a 0.72 s SmolLM2 sync. (2) An embedding or
+lm_head larger than a bucket goes in row chunks of a bucket each, loaded by
+`rollout/sglang_rows.load_vocab_rows` (SGLang's custom_weight_loader hook) into the rows its TP
+rank holds; before, it was moved into shared memory whole (1.25 GB at Qwen3-8B). (3) The finite
+check reads FP8 codes as bytes (`weights._fp8_finite`): 0.25 -> 0.02 s for SmolLM2's FP8 linears.
+(4) 2026-12-04: a host buffer is kept between syncs (a CUDA one is not: the train phase's memory).
+At 512 MiB, allocating the shared segment (0.11 s) and unmapping it (0.09 s) were 0.20 s of a
+0.44 s SmolLM2 fp32 sync (cProfile). The cost is one bucket of host memory held through the
+train phase, which SGLang's CPU tier does not release for it either.
 
-Where a sync's time goes now (cProfile, `--profile tensor`): qwen3-8b-layers fp8, 2.7 s for 2.9 GB:
-SGLang's end_weight_update 1.71 s (the CPU tier's FP8 method rebuilds the fp32 code copies its
-'exact' GEMM reads: an FP8 -> fp32 conversion of every linear, 0.29 GB/s of FP8 on this CPU;
-no such copy where another GEMM runs), SGLang loading the buckets 0.48 s, the copies into the
-buffer 0.27 s, the finite check 0.22 s (the bf16 embeddings). SmolLM2 fp32, 0.25 s for 0.54 GB:
-SGLang loading 0.15 s, copies 0.06 s, check 0.03 s. The speed target (tensor >= 0.5x memcpy) is
-missed, and out of reach of a sync through a shared buffer on this CPU: it reads the bytes three
-times (finite check, copy into the buffer, SGLang's copy into its parameters), and those three
-passes alone, in one process with nothing else (`three_pass_floor_vs_memcpy`, same runs), reach
-0.35x (smollm2 fp32), 0.25x (smollm2 fp8) and 0.44x (qwen3-8b-layers fp8, vocab 151936). The
-tensor transfer reaches 36% of that floor in fp32 (0.125x); in FP8 the server's rebuild of its
-fp32 code copies dominates (above).
+Where a sync's time goes now (cProfile, `--profile tensor`): smollm2 fp32 at 512 MiB, 0.19 s for
+0.54 GB: SGLang's update calls 0.10 s (its load_weights alone about 0.05 s, timed once inside
+its scheduler with a throwaway custom loader; memcpy of the same bytes: 0.035 s), the copy into
+the buffer 0.05 s, the finite check 0.03 s. qwen3-8b-layers fp8 (2026-12-03), 2.7 s for 2.9 GB: SGLang's
+end_weight_update 1.71 s (the CPU tier's FP8 method rebuilds the fp64 code copies its 'exact'
+GEMM reads: an FP8 -> fp64 conversion of every linear, 0.25 s for one 4096 x 12288 weight with
+torch's .double(), no faster through a 256-entry lookup table (0.34 s); no such copy where
+another GEMM runs), SGLang loading the buckets 0.48 s, the copies into the buffer 0.27 s, the
+finite check 0.22 s (the bf16 embeddings).
+
+The speed target (tensor >= 0.5x memcpy) is missed, and out of reach of a sync through a shared
+buffer on this CPU. Such a sync copies the bytes in and SGLang copies them out, and the check
+reads them once more. Those three passes alone, in one process with nothing else
+(`three_pass_floor_vs_memcpy`), reach 0.29-0.36x (smollm2) and 0.43x (qwen3-8b-layers fp8, vocab
+151936). The transport alone, no check and no SGLang (`python bench/gpu_smoke.py --ipc-only`: one
+Qwen3-8B layer, 336 MB, copied into the kept shared buffer, pickled by torch's reductions, copied
+out in a spawned process), reached 0.30x and 0.36x in two runs. Its receiver's copy out of a
+freshly mapped segment took 0.045-0.052 s against 0.025 s for memcpy. The tensor transfer now
+reaches 0.23x in fp32, 63% of its three-pass floor. In FP8, the server's rebuild of its code
+copies dominates (above).
+On a GPU, a CUDA snapshot's buckets stay on the device (`transfer_device`: one device-to-device
+copy, a CUDA IPC handle, SGLang's copy out). That path is written, and is item 5 of the GPU smoke
+kit, but it has not run on a GPU.
 
 Derived for the real models (shapes from their config.json; bf16 trainer; FP8 = per_tensor or
 aligned sync: linears E4M3, embeddings and lm_head bf16; bucket 512 MiB = 0.54 GB), using the
 measured rules: tensor = one bucket (the embedding and lm_head go in row chunks); distributed =
 one bucket, or the largest tensor when it goes alone from its own storage (no copy); disk = the
-chunked finite check:
+chunked finite check. On the CPU tier the tensor and distributed buckets are also held between
+syncs; on a GPU neither is (a new CUDA bucket per call, the NCCL buffer released at the sync's
+end), and the tensor bucket is device memory, not host:
 
 | model       | sync GB bf16 / FP8 | layer MB bf16 / FP8 | largest tensor         | FP8 buckets | peak extra per rank: tensor / distributed / disk | target: bucket + FP8 layer |
 |-------------|--------------------|---------------------|------------------------|-------------|--------------------------------------------------|----------------------------|

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke kit (bench/gpu_smoke.py): our FP8 linear vs bf16 at Qwen3-8B shapes, a Megatron bf16 +
-# FP8 training step, the calibrated recipe's scales on CUDA, a _scaled_mm batch-invariance probe.
+# FP8 training step, the calibrated recipe's scales on CUDA, a _scaled_mm batch-invariance probe,
+# a Qwen3-8B layer through the colocated weight sync's CUDA IPC transport into another process.
 #   scripts/gpu_smoke.sh wheelhouse       here (network): py3.12 wheels of megatron-core and the
 #                                         pure-Python deps into .cache/gpu_wheelhouse (~18 MiB)
 #   scripts/gpu_smoke.sh run [OUT_DIR]    on the GPU machine (torch 2.11, Python 3.12, no network,
