@@ -83,7 +83,8 @@ reaches 0.23x in fp32, 63% of its three-pass floor. In FP8, the server's rebuild
 copies dominates (above).
 On a GPU, a CUDA snapshot's buckets stay on the device (`transfer_device`: one device-to-device
 copy, a CUDA IPC handle, SGLang's copy out). That path is written, and is item 5 of the GPU smoke
-kit, but it has not run on a GPU.
+kit, but it has not run on a GPU; and the actor gathers its snapshot into host memory, on a GPU
+too (`MegatronActor.hf_tensors_in_memory`), so training does not take it yet.
 
 Derived for the real models (shapes from their config.json; bf16 trainer; FP8 = per_tensor or
 aligned sync: linears E4M3, embeddings and lm_head bf16; bucket 512 MiB = 0.54 GB), using the
@@ -99,7 +100,13 @@ end), and the tensor bucket is device memory, not host:
 | Qwen2.5-32B | 65.5 / 34.3        | 975 / 488           | embed, lm_head 1.56 GB | 64          | 0.54 GB / 0.54 GB / 16 MB                        | 1.02 GB                    |
 
 Not in these figures: the snapshot itself (`rollout_tensors` output, made before each update
-here), which a sync validates in full before sending (a bad tensor is refused before any byte).
+here). In training it is a `WeightSnapshot` (2026-12-04): its layout (names, shapes, dtypes, from
+the same conversion run on meta tensors) is checked before any byte is sent (a bad name, shape or
+dtype is refused then), and its tensors are gathered, quantized and sent bucket by bucket, so
+rank 0 holds at most 3 buckets of them plus the tensor that overflowed the last
+(tests/rollout/test_sglang_engine.py, `..._holding_a_few_buckets`): 3 x 0.54 + 1.56 = 3.2 GB at
+Qwen2.5-32B, where holding the whole update, as before, was 34 GB in FP8 (65 GB bf16). The disk
+transfer still holds it whole (one file).
 Seconds per sync at ratio r: GB x memcpy s/GB / r; e.g. Qwen3-8B FP8 by tensor at the measured
 1.17 s/GB: 9.4 x 1.17 = 11 s on this CPU, 6.7 s of it the FP8 method's rebuild.
 """

@@ -46,8 +46,15 @@ from megatron_fp8rl.rollout.sglang_common import (
     sglang_sampling,
 )
 from megatron_fp8rl.rollout.sglang_rows import LOADER as ROWS_LOADER, row_key
-from megatron_fp8rl.rollout.weight_transfer import BucketBuffer, RowChunk, flatten_bucket, transfer_device, transfer_parts
-from megatron_fp8rl.rollout.weights import ExpectedWeights, validate_named_tensors
+from megatron_fp8rl.rollout.weight_transfer import (
+    BucketBuffer,
+    RowChunk,
+    flatten_bucket,
+    iter_transfer_parts,
+    transfer_device,
+    with_last,
+)
+from megatron_fp8rl.rollout.weights import ExpectedWeights, validated_stream
 
 
 logger = logging.getLogger(__name__)
@@ -144,15 +151,16 @@ class SGLangEngine:
         return parse_outputs(outputs, [list(p) for p in prompt_token_ids], n, self.config.initial_weight_version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Validate every tensor against the served checkpoint, then load them in one session.
+        """Validate the update against the served checkpoint, then load it in one session, part
+        by part as the stream fills them (`rollout.weights.validated_stream`: a `WeightSnapshot`'s
+        layout is checked before anything is sent; any other iterable is checked whole first).
         A refused update raises `WeightUpdateError` and leaves the served weights unchanged."""
         self._check_resident("update_weights", ("weights",))
-        checked = validate_named_tensors(named_tensors, self.expected)
-        parts = transfer_parts(checked, self.bucket_bytes)
+        checked = validated_stream(named_tensors, self.expected)
         self._expect_success("begin_weight_update", lambda: self._engine.begin_weight_update())
         try:
-            for index, part in enumerate(parts):
-                self._update_part(part, str(version) if index == len(parts) - 1 else None)
+            for part, last in with_last(iter_transfer_parts(checked, self.bucket_bytes)):
+                self._update_part(part, str(version) if last else None)
         finally:
             self._expect_success("end_weight_update", lambda: self._engine.end_weight_update())
         self.weight_version = version

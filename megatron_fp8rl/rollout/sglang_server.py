@@ -49,7 +49,7 @@ from megatron_fp8rl.rollout.sglang_common import (
     sglang_sampling,
 )
 from megatron_fp8rl.rollout.weight_transfer import DistributedWeightSender
-from megatron_fp8rl.rollout.weights import ExpectedWeights, unshared, validate_named_tensors
+from megatron_fp8rl.rollout.weights import ExpectedWeights, unshared, validated_stream
 
 TRANSFERS = ("disk", "distributed")
 START_ATTEMPTS = 3
@@ -307,16 +307,18 @@ class SGLangServer:
         return parse_outputs(outputs, [list(p) for p in prompt_token_ids], n, self.config.initial_weight_version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Validate every tensor against the served checkpoint, then send them (disk or
-        distributed, see the class). A refused update raises before anything reaches the server."""
-        checked = validate_named_tensors(named_tensors, self.expected)
+        """Validate the update against the served checkpoint, then send it (disk or distributed,
+        see the class). A refused update raises before anything reaches the server. Distributed
+        sends a `WeightSnapshot` bucket by bucket as it comes (`validated_stream`); disk writes
+        one file, so it holds the whole update."""
+        checked = validated_stream(named_tensors, self.expected)
         if self.weight_transfer == "distributed":
             self._send_distributed(checked, version)
         else:
-            self._update_from_disk(checked, version)
+            self._update_from_disk(list(checked), version)
         self.weight_version = version
 
-    def _send_distributed(self, checked: list[tuple[str, torch.Tensor]], version: int) -> None:
+    def _send_distributed(self, checked: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast over the weight-update group (formed on first use). A transfer that fails
         leaves the group: its other end may be gone (a restarted server forms a new one on the
         next update) or hold a half-received bucket."""

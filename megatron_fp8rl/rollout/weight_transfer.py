@@ -22,7 +22,7 @@ import contextlib
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,19 +34,39 @@ from megatron_fp8rl.rollout.weight_update_group import init_weight_update_group
 GROUP_NAME = "megatron_fp8rl_weights"
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors, each at most `bucket_bytes` (a larger tensor goes alone)."""
-    out, current, size = [], [], 0
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors, each at most `bucket_bytes` (a larger tensor goes alone),
+    each yielded as soon as the stream has filled it."""
+    current, size = [], 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > bucket_bytes:
-            out.append(current)
+            yield current
             current, size = [], 0
         current.append((name, tensor))
         size += nbytes
     if current:
-        out.append(current)
-    return out
+        yield current
+
+
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """`iter_buckets`, all of them."""
+    return list(iter_buckets(named_tensors, bucket_bytes))
+
+
+def with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
+    """(item, whether it is the last), one item ahead of the consumer: a stream's last bucket
+    carries the weight version, and a stream does not know its length."""
+    iterator = iter(items)
+    try:
+        pending = next(iterator)
+    except StopIteration:
+        return
+    for item in iterator:
+        yield pending, False
+        pending = item
+    yield pending, True
 
 
 @dataclass(frozen=True)
@@ -64,26 +84,38 @@ def is_vocab_tensor(name: str) -> bool:
     return name.endswith("embed_tokens.weight") or name == "lm_head.weight"
 
 
-def transfer_parts(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-                   ) -> list[list[tuple[str, torch.Tensor]] | RowChunk]:
-    """`buckets`, except that a vocabulary tensor larger than a bucket becomes row chunks of at
-    most `bucket_bytes` each (`RowChunk`), so no transfer buffer outgrows a bucket for it: at
+def iter_transfer_parts(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                        ) -> Iterator[list[tuple[str, torch.Tensor]] | RowChunk]:
+    """`iter_buckets`, except that a vocabulary tensor larger than a bucket becomes row chunks of
+    at most `bucket_bytes` each (`RowChunk`), so no transfer buffer outgrows a bucket for it: at
     8B-32B the embedding and lm_head (1.2-1.6 GB in bf16) are the only tensors above a 512 MiB
-    bucket. Any other tensor larger than a bucket still goes alone."""
-    parts: list = []
+    bucket. Any other tensor larger than a bucket still goes alone. Lazy: a part is yielded as
+    soon as the stream has filled it."""
     small: list[tuple[str, torch.Tensor]] = []
+    size = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes <= bucket_bytes or not is_vocab_tensor(name) or tensor.dim() != 2:
+            if small and size + nbytes > bucket_bytes:
+                yield small
+                small, size = [], 0
             small.append((name, tensor))
+            size += nbytes
             continue
-        parts.extend(buckets(small, bucket_bytes))
-        small = []
+        if small:
+            yield small
+            small, size = [], 0
         per_chunk = max(1, bucket_bytes // (tensor.shape[1] * tensor.element_size()))
-        parts.extend(RowChunk(name, start, tensor[start:start + per_chunk])
-                     for start in range(0, tensor.shape[0], per_chunk))
-    parts.extend(buckets(small, bucket_bytes))
-    return parts
+        for start in range(0, tensor.shape[0], per_chunk):
+            yield RowChunk(name, start, tensor[start:start + per_chunk])
+    if small:
+        yield small
+
+
+def transfer_parts(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                   ) -> list[list[tuple[str, torch.Tensor]] | RowChunk]:
+    """`iter_transfer_parts`, all of them."""
+    return list(iter_transfer_parts(named_tensors, bucket_bytes))
 
 
 class BucketBuffer:
@@ -229,8 +261,9 @@ class DistributedWeightSender:
                 f"{1 + server_tp} members) did not form: {err}") from err
         join.join("SGLang /init_weights_update_group")
 
-    def send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Broadcast every tensor, bucket by bucket; the server loads them and reports `version`."""
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast every tensor, bucket by bucket as the stream fills them; the server loads
+        them and reports `version`."""
         self.post("/begin_weight_update", {})
         try:
             self._send_all(named_tensors, version)
@@ -242,12 +275,11 @@ class DistributedWeightSender:
             raise
         self.post("/end_weight_update", {})
 
-    def _send_all(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+    def _send_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         try:
-            parts = buckets(named_tensors, self.bucket_bytes)
-            for index, bucket in enumerate(parts):
-                where = f"bucket {index + 1} of {len(parts)} ({len(bucket)} tensors from {bucket[0][0]!r})"
-                self._send_bucket(bucket, version if index == len(parts) - 1 else None, where)
+            for index, (bucket, last) in enumerate(with_last(iter_buckets(named_tensors, self.bucket_bytes))):
+                where = f"bucket {index + 1}{' (the last)' if last else ''} ({len(bucket)} tensors from {bucket[0][0]!r})"
+                self._send_bucket(bucket, version if last else None, where)
         finally:
             if self.device.type != "cpu":
                 self.buffer.release()  # the train phase's device memory; a host buffer is kept

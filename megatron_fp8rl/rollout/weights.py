@@ -2,7 +2,8 @@
 
 Owns: reading a Hugging Face checkpoint's parameter names, shapes and dtypes from its safetensors
 headers, and validating (name, tensor) pairs against them (an FP8 checkpoint's weights must come as
-float8_e4m3fn, its scales and other tensors as floating point), and `unshared` (tensors as
+float8_e4m3fn, its scales and other tensors as floating point): held whole, or as a streamed
+`WeightSnapshot` whose layout is checked first (`validated_stream`); and `unshared` (tensors as
 safetensors will write them). SGLang 0.5.23 answers an unknown name with a
 KeyError in its scheduler that kills the whole engine (DESIGN.md hazard 4), so nothing unchecked
 is ever sent.
@@ -15,7 +16,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -62,6 +63,49 @@ def _allowed_dtypes(name: str, expected: ExpectedWeights) -> tuple[torch.dtype, 
     return (_FP8_DTYPES[found],) if found in _FP8_DTYPES else _FLOAT_DTYPES
 
 
+Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
+"""(HF name, shape, dtype) of every tensor of a weight update, in the order they come."""
+
+
+class WeightSnapshot:
+    """A weight update as a lazy stream of (HF name, tensor) with its `layout` known before any
+    tensor is made (`MegatronActor.weights_for_rollout` derives it from the gathered metadata by
+    running the same conversion on meta tensors). An engine checks the layout against the served
+    checkpoint before it sends a byte and then sends the stream bucket by bucket as it comes
+    (`validated_stream`), so a few buckets of it are alive at a time, not the whole model (34 GB
+    of FP8 at 32B). Iterable once, like the stream it wraps."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]], layout: Layout):
+        self.layout = [(name, tuple(shape), dtype) for name, shape, dtype in layout]
+        self._tensors = iter(tensors)
+
+    def __iter__(self):
+        return self._tensors
+
+
+def _check_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, expected: ExpectedWeights, seen: set) -> None:
+    """Name, shape, dtype and uniqueness of one tensor; `WeightUpdateError` naming it."""
+    if name not in expected.shapes:
+        raise WeightUpdateError(
+            f"weight update: tensor {name!r} is not a parameter of the served checkpoint "
+            f"(expected one of {len(expected.shapes)} HF names, e.g. {_closest(name, expected)})"
+        )
+    if name in seen:
+        raise WeightUpdateError(f"weight update: tensor {name!r} is given twice")
+    want = expected.shapes[name]
+    if tuple(shape) != want:
+        raise WeightUpdateError(f"weight update: tensor {name!r} has shape {tuple(shape)}, expected {want}")
+    allowed = _allowed_dtypes(name, expected)
+    if dtype not in allowed:
+        raise WeightUpdateError(f"weight update: tensor {name!r} has dtype {dtype}, expected one of {allowed}")
+    seen.add(name)
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    if not _all_finite(tensor):
+        raise WeightUpdateError(f"weight update: tensor {name!r} has non-finite values")
+
+
 def validate_named_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]], expected: ExpectedWeights
 ) -> list[tuple[str, torch.Tensor]]:
@@ -73,30 +117,51 @@ def validate_named_tensors(
     """
     checked, seen = [], set()
     for name, tensor in named_tensors:
-        if name not in expected.shapes:
-            raise WeightUpdateError(
-                f"weight update: tensor {name!r} is not a parameter of the served checkpoint "
-                f"(expected one of {len(expected.shapes)} HF names, e.g. {_closest(name, expected)})"
-            )
-        if name in seen:
-            raise WeightUpdateError(f"weight update: tensor {name!r} is given twice")
-        want = expected.shapes[name]
-        if tuple(tensor.shape) != want:
-            raise WeightUpdateError(
-                f"weight update: tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}"
-            )
-        allowed = _allowed_dtypes(name, expected)
-        if tensor.dtype not in allowed:
-            raise WeightUpdateError(
-                f"weight update: tensor {name!r} has dtype {tensor.dtype}, expected one of {allowed}"
-            )
-        if not _all_finite(tensor):
-            raise WeightUpdateError(f"weight update: tensor {name!r} has non-finite values")
-        seen.add(name)
+        _check_entry(name, tensor.shape, tensor.dtype, expected, seen)
+        _check_finite(name, tensor)
         checked.append((name, tensor))
     if not checked:
         raise WeightUpdateError("weight update: no tensors given")
     return checked
+
+
+def validated_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], expected: ExpectedWeights
+                     ) -> Iterable[tuple[str, torch.Tensor]]:
+    """The update's tensors, checked before any is sent: a `WeightSnapshot`'s layout in full now
+    (names, shapes, dtypes, as `validate_named_tensors`; nothing of the stream is made yet), then
+    its tensors lazily as they come, each against its layout entry and for finite values; any
+    other iterable through `validate_named_tensors` (held whole). A streamed tensor that is not
+    finite or differs from its layout is refused before its own bucket goes, but after the
+    buckets before it: the served weights are then partly this update's, and the error says so
+    (the trainer's weights are what a resumed run starts from)."""
+    if not isinstance(named_tensors, WeightSnapshot):
+        return validate_named_tensors(named_tensors, expected)
+    layout, seen = named_tensors.layout, set()
+    for name, shape, dtype in layout:
+        _check_entry(name, shape, dtype, expected, seen)
+    if not layout:
+        raise WeightUpdateError("weight update: no tensors given")
+    return _follow_layout(named_tensors, layout)
+
+
+def _follow_layout(tensors: Iterable[tuple[str, torch.Tensor]], layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    count = 0
+    for index, (name, tensor) in enumerate(tensors):
+        planned = layout[index] if index < len(layout) else None
+        if planned != (name, tuple(tensor.shape), tensor.dtype):
+            raise WeightUpdateError(
+                f"weight update: tensor {index + 1} of the stream is {name!r} {tuple(tensor.shape)} {tensor.dtype}, its "
+                f"layout said {planned}; the served weights are partly updated (the buckets before it were sent)")
+        try:
+            _check_finite(name, tensor)
+        except WeightUpdateError as err:
+            raise WeightUpdateError(f"{err}; the served weights are partly updated (the buckets before it were "
+                                    "sent)") from None
+        count += 1
+        yield name, tensor
+    if count != len(layout):
+        raise WeightUpdateError(f"weight update: the stream ended after {count} of the {len(layout)} tensors of "
+                                "its layout; the served weights are partly updated")
 
 
 FINITE_CHUNK = 1 << 22

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
@@ -39,6 +40,7 @@ from megatron_fp8rl.models.shadow import high_precision_shadow
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
 from megatron_fp8rl.rl.noise import NoiseFloor
 from megatron_fp8rl.rollout.engine import RolloutSample
+from megatron_fp8rl.rollout.weights import WeightSnapshot
 from megatron_fp8rl.trainer.batch import (
     RolloutBatch,
     build_batch,
@@ -97,6 +99,23 @@ def _load_weights_only(model: torch.nn.Module, directory: Path) -> None:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"{directory}: missing tensors {missing}, unexpected {unexpected}")
+
+
+@dataclass(frozen=True)
+class _GatherPlan:
+    """What `MegatronActor.hf_tensors_in_memory` gathers: this rank's pieces, every rank's
+    metadata (key -> global shape and dtype), who holds each (key, layer) slice, the HF units."""
+
+    pieces: list[torch.Tensor]
+    metadata: dict
+    holders: dict
+    units: list
+
+    def unit_shape(self, unit) -> tuple[int, ...]:
+        """The assembled slice's shape: the global shape, less the layer axis of a layered key."""
+        size = self.metadata[unit.rule.megatron].size
+        layered = self.holders[(unit.rule.megatron, unit.layer)][0][5]
+        return tuple(size[1:] if layered else size)
 
 
 class MegatronActor:
@@ -249,22 +268,29 @@ class MegatronActor:
                                "(weights_for_rollout makes the engine's start checkpoint and every sync)")
         return self._served
 
-    def weights_for_rollout(self, consume: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+    def weights_for_rollout(self, consume: Callable[[WeightSnapshot], None],
                             input_bounds: dict[str, dict[str, float]] | None = None) -> None:
         """All ranks (collective): the current weights as the rollout engine takes them, quantized
         for rollout.fp8 (rollout_fp8.rollout_tensors), as a lazy stream gathered in memory at any
-        TP/PP (`hf_tensors_in_memory`), handed to `consume` on global rank 0; every other rank
-        iterates its (empty) stream to the end at the same time, sending its shards. The engine's
+        TP/PP (`hf_tensors_in_memory`), handed to `consume` on global rank 0 as a `WeightSnapshot`
+        whose layout (names, shapes, dtypes) is known before any tensor is gathered, so an engine
+        checks it and then sends bucket by bucket (rank 0 holds a few buckets, not the model);
+        every other rank iterates its (empty) stream to the end at the same time, sending its shards. The engine's
         start checkpoint and every weight sync are this stream. Aligned mode with shared scales:
         the trainer's FP8 scales go with them and become the served ones of the next recompute and
         first mini-batch. `input_bounds` (HF module -> {"input": bound}, `calibration_forward`):
         static input scales to send too (the start checkpoint of rollout.fp8=per_tensor static)."""
         shared = shares_scales(self.rollout_fp8, self.model_cfg.fp8)
         self._served = self.aligned_scales() if shared else None
-        tensors = rollout_tensors(self.hf_tensors_in_memory(), int(self.hf_config["num_hidden_layers"]),
-                                  self.rollout_fp8, self._served, self.model_cfg.fp8, input_bounds)
+        plan = self._gather_plan()
+        convert = partial(rollout_tensors, num_layers=int(self.hf_config["num_hidden_layers"]),
+                          rollout_fp8=self.rollout_fp8, scales=self._served, trainer_fp8=self.model_cfg.fp8,
+                          input_bounds=input_bounds)
+        tensors = convert(self._gathered(plan))
         if dist.get_rank() == 0:
-            consume(tensors)
+            # the same conversion on meta tensors: the layout, known before any tensor is made
+            layout = [(name, tuple(t.shape), t.dtype) for name, t in convert(self._layout(plan))]
+            consume(WeightSnapshot(tensors, layout))
         for _ in tensors:  # other ranks: their shards go to rank 0 as the stream is iterated
             pass
 
@@ -349,6 +375,11 @@ class MegatronActor:
         HF tensors. Rank 0's extra memory is one slice; every other rank yields nothing but must
         iterate to the end (its sends happen there). Pieces travel on the tensors' own device
         (NCCL: GPU; gloo: CPU)."""
+        return self._gathered(self._gather_plan())
+
+    def _gather_plan(self) -> _GatherPlan:
+        """All ranks (collective: one all_gather_object of metadata): what `_gathered` sends and
+        assembles."""
         pieces, listed = [], []
         for tensor in main_replica_shards(self.model.module.sharded_state_dict()):
             if not isinstance(tensor, ShardedTensor) or tensor.key.endswith("_extra_state"):
@@ -360,30 +391,43 @@ class MegatronActor:
                            tuple(tensor.local_shape), tensor.dtype, layered))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, listed)
-        rank, metadata, holders = dist.get_rank(), {}, {}
+        metadata, holders = {}, {}
         for source, entries in enumerate(everyone):
             for index, (key, layer, global_shape, offset, local_shape, dtype, layered) in enumerate(entries):
                 metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_shape), [])
                 holders.setdefault((key, layer), []).append((source, index, offset, local_shape, dtype, layered))
-        for unit in plan_megatron_to_hf(self.hf_config, metadata):
-            parts = holders.get((unit.rule.megatron, unit.layer))
-            if parts is None:
+        units = list(plan_megatron_to_hf(self.hf_config, metadata))
+        for unit in units:
+            if (unit.rule.megatron, unit.layer) not in holders:
                 raise ValueError(f"no rank holds {unit.rule.megatron} (layer {unit.layer}) of the model")
+        return _GatherPlan(pieces, metadata, holders, units)
+
+    def _gathered(self, plan: _GatherPlan) -> Iterator[tuple[str, torch.Tensor]]:
+        rank = dist.get_rank()
+        for unit in plan.units:
+            parts = plan.holders[(unit.rule.megatron, unit.layer)]
             if rank != 0:
                 for source, index, *_ in parts:
                     if source == rank:
-                        dist.send(pieces[index].contiguous(), dst=0)
+                        dist.send(plan.pieces[index].contiguous(), dst=0)
                 continue
-            global_shape = metadata[unit.rule.megatron].size
-            target = torch.empty(tuple(global_shape[1:] if parts[0][5] else global_shape), dtype=parts[0][4])
+            target = torch.empty(plan.unit_shape(unit), dtype=parts[0][4])
             for source, index, offset, local_shape, dtype, _ in parts:
                 if source == 0:
-                    piece = pieces[index]
+                    piece = plan.pieces[index]
                 else:
                     piece = torch.empty(local_shape, dtype=dtype, device=self._transfer_device())
                     dist.recv(piece, src=source)
                 target[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))] = piece
             yield from split_unit(unit, target).items()
+
+    @staticmethod
+    def _layout(plan: _GatherPlan) -> Iterator[tuple[str, torch.Tensor]]:
+        """`_gathered`'s stream on meta tensors: its names, shapes and dtypes, no data, no
+        communication (the same `split_unit`, so the same names in the same order)."""
+        for unit in plan.units:
+            dtype = plan.holders[(unit.rule.megatron, unit.layer)][0][4]
+            yield from split_unit(unit, torch.empty(plan.unit_shape(unit), dtype=dtype, device="meta")).items()
 
     @staticmethod
     def _transfer_device() -> torch.device:

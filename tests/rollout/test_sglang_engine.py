@@ -1,11 +1,14 @@
 """The in-process SGLang engine against transformers, on CPU with the real SGLang (one engine start
 for the module, a tiny Qwen3; its scheduler and detokenizer are 2 child processes)."""
+import weakref
+
 import pytest
 import torch
 
 from megatron_fp8rl.rollout.engine import SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.sglang_engine import SGLangEngine
 from megatron_fp8rl.rollout.weight_transfer import RowChunk, transfer_parts
+from megatron_fp8rl.rollout.weights import WeightSnapshot
 from tests.helpers import hf_reference as hf
 from tests.helpers.rollout import needs_sglang, sglang_config
 from tests.helpers.tiny_models import EOS_TOKEN_ID, load_hf, random_state_dict
@@ -124,6 +127,35 @@ def test_cpu_syncs_reuse_one_kept_host_bucket_and_serve_each_syncs_weights(engin
         hf.load_state_dict(hf_model, new_weights)
         _check_greedy_matches(engine, hf_model, version=version)
     assert engine.buffer.nbytes > 0 and allocations[1] == allocations[0]
+
+
+def test_streamed_snapshot_is_sent_bucket_by_bucket_holding_a_few_buckets(engine, hf_model, qwen3_dir, monkeypatch):
+    """A WeightSnapshot (what every sync of the actor is) goes out as its stream fills buckets: at
+    most a few buckets of its tensors are alive at once (the rest not yet made or already
+    dropped), where a held update keeps all of them; the served model then equals transformers
+    with the new weights."""
+    new_weights = random_state_dict(qwen3_dir, seed=23)
+    bucket = 40 * 2**10
+    monkeypatch.setattr(engine, "bucket_bytes", bucket)
+    alive, most = {}, [0]
+
+    def stream():  # each tensor made anew, as a gather makes it
+        for name, tensor in new_weights.items():
+            made = tensor.clone()
+            alive[name] = made.numel() * made.element_size()
+            weakref.finalize(made, alive.pop, name)
+            most[0] = max(most[0], sum(alive.values()))
+            yield name, made
+
+    layout = [(n, tuple(t.shape), t.dtype) for n, t in new_weights.items()]
+    engine.update_weights(WeightSnapshot(stream(), layout), version=7)
+    sizes = [t.numel() * t.element_size() for t in new_weights.values()]
+    # the bucket being sent, the next one (made before, to learn whether this is the last), the
+    # one being filled, and the tensor that overflowed it: 155 KiB here, of 354 KiB
+    bound = 3 * bucket + max(sizes)
+    assert 0 < most[0] <= bound < sum(sizes), (most[0], bound, sum(sizes))
+    hf.load_state_dict(hf_model, new_weights)
+    _check_greedy_matches(engine, hf_model, version=7)
 
 
 def test_release_and_resume_are_no_ops_on_cpu(engine):

@@ -136,7 +136,7 @@ def test_server_killed_mid_transfer_is_a_clear_error_and_a_restart_takes_the_nex
     if fp8_server._sender is not None:  # a group formed by an earlier test holds the old callable
         monkeypatch.setattr(fp8_server._sender, "post", post_then_die)
     start = time.monotonic()
-    with pytest.raises(RolloutEngineError, match=r"bucket 3 of \d+ .*/update_weights_from_distributed: the server process \(pid \d+\) died"):
+    with pytest.raises(RolloutEngineError, match=r"bucket 3 \(.*/update_weights_from_distributed: the server process \(pid \d+\) died"):
         fp8_server.update_weights(sent.items(), version=version + 1)
     print(f"error after {time.monotonic() - start:.1f} s")
     assert time.monotonic() - start < 60

@@ -99,3 +99,45 @@ def test_duplicate_and_empty_updates_are_refused(qwen3_dir):
 def test_folder_without_safetensors_is_refused(tmp_path):
     with pytest.raises(WeightUpdateError, match=str(tmp_path)):
         ExpectedWeights.from_checkpoint(tmp_path)
+
+
+def _snapshot(state, made, layout=None, swap=None):
+    """A WeightSnapshot over `state` whose stream records in `made` each name it makes (a clone,
+    as a gather makes each tensor anew); `swap`: (name, tensor) streamed in that name's place."""
+    def stream():
+        for name, tensor in state.items():
+            made.append(name)
+            yield (swap if swap and swap[0] == name else (name, tensor.clone()))
+    return weights.WeightSnapshot(stream(), layout or [(n, tuple(t.shape), t.dtype) for n, t in state.items()])
+
+
+def test_snapshot_layout_is_refused_before_any_tensor_is_made(qwen3_dir):
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    state = load_hf(qwen3_dir).state_dict()
+    made = []
+    layout = [(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    layout[-1] = ("model.layers.0.self_attn.qkv_proj.weight", (128, 64), torch.float32)
+    with pytest.raises(WeightUpdateError, match="qkv_proj.weight' is not a parameter"):
+        weights.validated_stream(_snapshot(state, made, layout), expected)
+    assert made == []  # refused from the layout alone: the stream was never started
+
+
+def test_snapshot_streams_lazily_and_checks_each_tensor_against_its_layout(qwen3_dir):
+    expected = ExpectedWeights.from_checkpoint(qwen3_dir)
+    state = load_hf(qwen3_dir).state_dict()
+    made = []
+    stream = iter(weights.validated_stream(_snapshot(state, made), expected))
+    first = next(stream)
+    assert made == [first[0]] and torch.equal(first[1], state[first[0]])  # one made, not the model
+    assert len(list(stream)) == len(state) - 1
+    name = "model.layers.1.mlp.down_proj.weight"
+    diverged = _snapshot(state, [], swap=(name, torch.zeros(3, 3)))
+    with pytest.raises(WeightUpdateError, match=r"down_proj.weight' \(3, 3\).*its layout said.*partly updated"):
+        list(weights.validated_stream(diverged, expected))
+    bad = state[name].clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(WeightUpdateError, match=f"{name}' has non-finite values; the served weights are partly"):
+        list(weights.validated_stream(_snapshot(state, [], swap=(name, bad)), expected))
+    short = weights.WeightSnapshot(iter(list(state.items())[:2]), [(n, tuple(t.shape), t.dtype) for n, t in state.items()])
+    with pytest.raises(WeightUpdateError, match=f"ended after 2 of the {len(state)} tensors"):
+        list(weights.validated_stream(short, expected))

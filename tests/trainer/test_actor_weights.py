@@ -65,3 +65,25 @@ def test_in_memory_weights_gather_every_layout_without_a_checkpoint(megatron_tp1
     for arch in archs:
         counts = {json.loads((tmp_path / arch / f"result_{tag}.json").read_text())["tensors"] for tag in layouts}
         assert len(counts) == 1 and counts.pop() > 0, (arch, counts)
+
+
+@pytest.mark.parametrize("fp8, rollout_fp8, static", [("none", "none", False), ("none", "per_tensor", True),
+                                                      ("none", "blockwise", False), ("calibrated", "aligned", False)])
+def test_rollout_snapshot_layout_is_what_its_stream_makes(megatron_tp1, converted, fp8, rollout_fp8, static):
+    """The layout an engine checks before it sends a byte (names, shapes, dtypes; from meta
+    tensors) is, entry for entry, what the gathered and quantized stream then makes."""
+    model, init = converted
+    actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), TrainConfig(),
+                          Objective(AlgorithmConfig(), max_response_length=8), rollout_fp8=rollout_fp8)
+    bounds = actor.calibration_forward([[3, 4, 5, 6]])  # the recipe's input bounds (aligned's scales)
+    seen = {}
+
+    def consume(snapshot):
+        seen["layout"] = list(snapshot.layout)
+        seen["made"] = [(name, tuple(t.shape), t.dtype) for name, t in snapshot]
+
+    actor.weights_for_rollout(consume, input_bounds=bounds if static else None)
+    assert seen["layout"] == seen["made"]
+    dtypes = {dtype for _, _, dtype in seen["made"]}
+    assert (torch.float8_e4m3fn in dtypes) == (rollout_fp8 != "none")
+    assert any(name.endswith("input_scale") for name, _, _ in seen["made"]) == (static or rollout_fp8 == "aligned")
