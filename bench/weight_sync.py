@@ -106,7 +106,8 @@ dtype is refused then), and its tensors are gathered, quantized and sent bucket 
 rank 0 holds at most 3 buckets of them plus the tensor that overflowed the last
 (tests/rollout/test_sglang_engine.py, `..._holding_a_few_buckets`): 3 x 0.54 + 1.56 = 3.2 GB at
 Qwen2.5-32B, where holding the whole update, as before, was 34 GB in FP8 (65 GB bf16). The disk
-transfer still holds it whole (one file).
+transfer writes it the same way, as safetensors shards of a bucket each, which the server loads
+once all are written.
 Seconds per sync at ratio r: GB x memcpy s/GB / r; e.g. Qwen3-8B FP8 by tensor at the measured
 1.17 s/GB: 9.4 x 1.17 = 11 s on this CPU, 6.7 s of it the FP8 method's rebuild.
 """

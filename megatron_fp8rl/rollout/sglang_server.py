@@ -48,7 +48,7 @@ from megatron_fp8rl.rollout.sglang_common import (
     server_argv,
     sglang_sampling,
 )
-from megatron_fp8rl.rollout.weight_transfer import DistributedWeightSender
+from megatron_fp8rl.rollout.weight_transfer import DistributedWeightSender, iter_buckets
 from megatron_fp8rl.rollout.weights import ExpectedWeights, unshared, validated_stream
 
 TRANSFERS = ("disk", "distributed")
@@ -310,12 +310,12 @@ class SGLangServer:
         """Validate the update against the served checkpoint, then send it (disk or distributed,
         see the class). A refused update raises before anything reaches the server. Distributed
         sends a `WeightSnapshot` bucket by bucket as it comes (`validated_stream`); disk writes
-        one file, so it holds the whole update."""
+        it shard by shard the same way, then the server loads them all."""
         checked = validated_stream(named_tensors, self.expected)
         if self.weight_transfer == "distributed":
             self._send_distributed(checked, version)
         else:
-            self._update_from_disk(list(checked), version)
+            self._update_from_disk(checked, version)
         self.weight_version = version
 
     def _send_distributed(self, checked: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -335,23 +335,32 @@ class SGLangServer:
         """Tensor-parallel size of the server (its ranks join the weight-update group)."""
         return int(self._get("/server_info").get("tp_size", 1))
 
-    def _update_from_disk(self, checked: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Write the tensors as a safetensors checkpoint in `update_dir` and have the server load
-        it (/update_weights_from_disk); the file is removed afterwards. `save_file` writes from
-        the tensors' own memory (bench/weight_sync.py: 3.6 MB extra for a 0.22 GB sync)."""
+    def _update_from_disk(self, checked: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write the update into `update_dir` as safetensors shards of at most a bucket each, as
+        the stream fills them (rank 0 holds one shard's tensors, not the update), and then have
+        the server load the folder (/update_weights_from_disk). Nothing reaches the server before
+        every shard is written, so a streamed tensor refused midway leaves it untouched. The
+        shards are removed afterwards. `save_file` writes from the tensors' own memory
+        (bench/weight_sync.py: 3.6 MB extra for a 0.22 GB sync)."""
         update_dir = self.update_dir / f"weights_v{version}"
         update_dir.mkdir(parents=True, exist_ok=True)
+        for stale in update_dir.glob("*.safetensors"):  # an interrupted earlier try of this version
+            stale.unlink()
         for name in ("config.json", "generation_config.json"):
             source = Path(self.config.model_path) / name
             if source.is_file():
                 (update_dir / name).write_bytes(source.read_bytes())
-        save_file(unshared(checked), str(update_dir / "model.safetensors"))
+        shards: list[Path] = []
         try:
+            for index, bucket in enumerate(iter_buckets(checked, self.bucket_bytes)):
+                shards.append(update_dir / f"model-{index + 1:05d}.safetensors")
+                save_file(unshared(bucket), str(shards[-1]))
             result = self._post(
                 "/update_weights_from_disk", {"model_path": str(update_dir), "weight_version": str(version)}
             )
         finally:
-            (update_dir / "model.safetensors").unlink(missing_ok=True)
+            for shard in shards:
+                shard.unlink(missing_ok=True)
         if not result.get("success"):
             raise RolloutEngineError(f"SGLang update_weights_from_disk failed: {result.get('message')}")
 
