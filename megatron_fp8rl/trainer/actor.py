@@ -275,10 +275,12 @@ class MegatronActor:
         TP/PP (`hf_tensors_in_memory`), handed to `consume` on global rank 0 as a `WeightSnapshot`
         whose layout (names, shapes, dtypes) is known before any tensor is gathered, so an engine
         checks it and then sends bucket by bucket (rank 0 holds a few buckets, not the model);
-        every other rank iterates its (empty) stream to the end at the same time, sending its shards. The engine's
-        start checkpoint and every weight sync are this stream. Aligned mode with shared scales:
-        the trainer's FP8 scales go with them and become the served ones of the next recompute and
-        first mini-batch. `input_bounds` (HF module -> {"input": bound}, `calibration_forward`):
+        every other rank iterates its (empty) stream to the end at the same time, sending its
+        shards. The engine's start checkpoint and every weight sync are this stream. A refusal
+        raises on rank 0 while the other ranks may still be in their sends (as they waited at the
+        sync's barrier when the whole update was checked first); torchrun's agent stops the other
+        workers when one fails. Aligned mode with shared scales: the trainer's FP8 scales go with
+        them and become the served ones of the next recompute and first mini-batch. `input_bounds` (HF module -> {"input": bound}, `calibration_forward`):
         static input scales to send too (the start checkpoint of rollout.fp8=per_tensor static)."""
         shared = shares_scales(self.rollout_fp8, self.model_cfg.fp8)
         self._served = self.aligned_scales() if shared else None
