@@ -32,6 +32,16 @@ N⁻ the negative-advantage tokens, N⁺ the positive ones):
   b ← β·b_previous + (1 − β)·b_new (the first calibration takes b_new), and used until the next.
 - Sequence level (GSPO, beyond the paper): the same matching over per-sequence ratios s_i and
   sequence advantages instead of tokens.
+- At small α (high precision clips almost no bad token) the α-quantile lies below any sane floor
+  and L sits at `low_min`: the lower clip is off rather than calibrated (issue 44; bf16 clipping
+  ~0 of the negative-advantage tokens put L at its 0.5 limit on every step). Every calibration
+  reports whether L or H sits at a limit (`Calibration.low_at_limit`, `high_at_limit`).
+- rule="noise" (*ours*, beyond the paper) keeps L meaningful there: it calibrates L from the FP8
+  noise instead of from α. With n_t = log r_t − log r_s,t over N⁻ (what FP8 adds to the ratio of
+  a bad token), a token exactly at the configured bound 1 − ε_low has FP8 ratio (1 − ε_low)·e^n;
+  L = (1 − ε_low)·exp(q_δ(n)) clips such a token with probability δ (`noise_tail`, default 0.01):
+  FP8 over-clips at most δ of the tokens high precision leaves at its bound, and L does not depend
+  on how many tokens high precision clips. Zero noise gives L = 1 − ε_low, plain PPO.
 A calibration is skipped (the previous bounds stay, the reason is returned) when any ratio is
 not finite; a batch without negative-advantage tokens keeps the previous L, one without
 positive-advantage tokens (or without active negative magnitude) the previous H.
@@ -44,6 +54,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_fp8rl.rl.common import RLInputError, check_same_shape, float_mask
+
+
+CALIBRATION_RULES = ("quantile", "noise")
+"""How a calibration finds L: the paper's α-quantile, or ours from the FP8 noise (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,19 @@ def matched_lower_bound(ratio: torch.Tensor, advantages: torch.Tensor, alpha: fl
     if below >= above:  # ties at r_(k): no L has exactly k below; fewer
         return above
     return min(max(prefer, math.nextafter(below, math.inf)), above)
+
+
+def noise_lower_bound(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch.Tensor,
+                      configured_low: float, tail: float) -> float | None:
+    """rule="noise" (module docstring): (1 − ε_low)·exp(q_tail(log r − log r_s)) over the
+    negative-advantage values; None without any."""
+    if not 0 < tail < 0.5:
+        raise RLInputError(f"noise tail must be in (0, 0.5), got {tail}")
+    negative = advantages < 0
+    if not bool(negative.any()):
+        return None
+    noise = torch.log(ratio[negative].double()) - torch.log(shadow_ratio[negative].double())
+    return configured_low * math.exp(float(torch.quantile(noise, tail)))
 
 
 def update_balance(ratio: torch.Tensor, advantages: torch.Tensor, bounds: ClipBounds) -> float | None:
@@ -207,15 +234,22 @@ class Calibration:
     """clip_diagnostic with the bounds in force before this calibration."""
     after: dict[str, float]
     """clip_diagnostic with the new bounds."""
+    low_at_limit: bool = False
+    """Whether the new L sits at low_min or low_max (the rule's value lay at or beyond it)."""
+    high_at_limit: bool = False
+    """Whether the new H sits at high_min or high_max."""
 
 
 def calibrate(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch.Tensor,
               configured: ClipBounds, current: ClipBounds, previous: ClipBounds | None,
-              limits: ClipLimits, smoothing: float) -> Calibration:
+              limits: ClipLimits, smoothing: float, rule: str = "quantile", noise_tail: float = 0.01) -> Calibration:
     """One Calibrated Clipping update from flat [N] FP8 ratios, shadow ratios and advantages
     (`calibration_values`). `configured`: the plain PPO interval the shadow is clipped with;
     `current`: the FP8 bounds in force (diagnostic 'before'); `previous`: the last calibrated
-    bounds (None before the first calibration: no smoothing)."""
+    bounds (None before the first calibration: no smoothing); `rule`: how L is found, 'quantile'
+    (the paper's α-quantile) or 'noise' (module docstring, with `noise_tail`)."""
+    if rule not in CALIBRATION_RULES:
+        raise RLInputError(f"unknown calibration rule {rule!r}; choose {' or '.join(CALIBRATION_RULES)}")
     check_same_shape("ratio", ratio, shadow_ratio=shadow_ratio, advantages=advantages)
     nan = math.nan
     if ratio.numel() == 0 or not bool(torch.isfinite(ratio).all() & torch.isfinite(shadow_ratio).all()):
@@ -223,7 +257,11 @@ def calibrate(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch
         return Calibration(current, reason, nan, nan, nan, {}, {})
     before = clip_diagnostic(ratio, shadow_ratio, advantages, current, configured)
     alpha = shadow_clip_share(shadow_ratio, advantages, configured.low)
-    low = current.low if alpha is None else matched_lower_bound(ratio, advantages, alpha, configured.low)
+    if rule == "noise":
+        low = noise_lower_bound(ratio, shadow_ratio, advantages, configured.low, noise_tail)
+    else:
+        low = None if alpha is None else matched_lower_bound(ratio, advantages, alpha, configured.low)
+    low = current.low if low is None else low
     low = min(max(smoothed(previous and previous.low, low, smoothing), limits.low_min), limits.low_max)
     target = update_balance(shadow_ratio, advantages, configured)
     high = None if target is None else rebalanced_upper_bound(ratio, advantages, low, target, configured.high)
@@ -232,4 +270,6 @@ def calibrate(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch
     after = clip_diagnostic(ratio, shadow_ratio, advantages, bounds, configured)
     balance = update_balance(ratio, advantages, bounds)
     return Calibration(bounds, None, nan if alpha is None else alpha, nan if target is None else target,
-                       nan if balance is None else balance, before, after)
+                       nan if balance is None else balance, before, after,
+                       low_at_limit=bounds.low in (limits.low_min, limits.low_max),
+                       high_at_limit=bounds.high in (limits.high_min, limits.high_max))

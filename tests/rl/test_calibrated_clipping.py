@@ -14,6 +14,7 @@ from megatron_fp8rl.rl.calibrated_clipping import (
     clip_diagnostic,
     is_clipped,
     matched_lower_bound,
+    noise_lower_bound,
     rebalanced_upper_bound,
     shadow_clip_share,
     smoothed,
@@ -180,3 +181,53 @@ def test_wider_fp8_lower_tail_moves_the_lower_bound_down(values, spread):
     wide_ratio = torch.exp(torch.log(shadow) * spread)
     wide = calibrate(wide_ratio, shadow, adv, PLAIN, PLAIN, None, WIDE, 0.0).bounds.low
     assert wide <= narrow + 1e-12 or narrow >= 1.0
+
+
+def test_noise_rule_lower_bound_is_the_configured_one_times_the_noise_tail():
+    """Hand-computed: log-noise of the negatives -0.3, -0.1, 0.0, 0.2 (the positive's is ignored);
+    torch.quantile's linear interpolation at 0.25 of 4 sorted values lies at position 0.75:
+    -0.3 + 0.75 * 0.2 = -0.15, so L = 0.8 * exp(-0.15)."""
+    shadow = _t(0.9, 1.0, 1.1, 0.7, 1.0)
+    noise = _t(-0.3, -0.1, 0.0, 0.2, -2.0)
+    adv = _t(-1, -1, -1, -1, 1)
+    got = noise_lower_bound(shadow * torch.exp(noise), shadow, adv, 0.8, 0.25)
+    assert got == pytest.approx(0.8 * math.exp(-0.15), rel=1e-12)
+    assert noise_lower_bound(shadow, shadow, adv, 0.8, 0.01) == pytest.approx(0.8, rel=1e-12)  # no noise
+    assert noise_lower_bound(shadow, shadow, _t(1, 1, 1, 1, 1), 0.8, 0.01) is None
+    with pytest.raises(RLInputError, match="noise tail"):
+        noise_lower_bound(shadow, shadow, adv, 0.8, 0.5)
+
+
+def test_at_small_alpha_the_quantile_rule_sits_at_its_limit_and_the_noise_rule_calibrates():
+    """Issue 44's failure: the shadow clips no bad token (α = 0), FP8 noise spreads the ratios
+    with a heavy tail (0.5% of tokens off by e^-1.5). The α-quantile puts L below every FP8
+    ratio, at low_min, flagged; the noise rule puts L where 1% of tokens at the configured bound
+    would be over-clipped, inside the limits."""
+    gen = torch.Generator().manual_seed(1)
+    n = 4000
+    adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    shadow = (1 + 0.02 * torch.randn(n, generator=gen)).double()
+    noise = 0.1 * torch.randn(n, generator=gen).double()
+    noise[::200] = -1.5
+    fp8 = shadow * torch.exp(noise)
+    limits = ClipLimits(low_min=0.5, low_max=0.95, high_min=1.05, high_max=1.5)
+    plain = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0)
+    assert plain.alpha == 0.0 and plain.bounds.low == 0.5 and plain.low_at_limit
+    noise = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0, rule="noise", noise_tail=0.01)
+    assert not noise.low_at_limit and 0.5 < noise.bounds.low < PLAIN.low
+    # q_0.01 of the noise: the 0.5% outliers, then N(0, 0.1^2)'s 0.005-quantile (-2.576 sigma)
+    assert noise.bounds.low == pytest.approx(PLAIN.low * math.exp(-2.576 * 0.1), rel=0.04)
+    with pytest.raises(RLInputError, match="calibration rule"):
+        calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0, rule="median")
+
+
+def test_high_at_limit_is_flagged():
+    """H clamped to high_max is reported, an interior H is not."""
+    shadow = _t(1.0, 1.0, 1.0, 1.0)
+    adv = _t(-1, -1, 1, 1)
+    fp8 = _t(1.0, 1.0, 3.0, 3.0)  # the positives' FP8 ratios far above: H rebalances up to them
+    limits = ClipLimits(low_min=0.5, low_max=0.95, high_min=1.05, high_max=1.5)
+    out = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0)
+    assert out.bounds.high == 1.5 and out.high_at_limit
+    inside = calibrate(shadow, shadow, adv, PLAIN, PLAIN, None, limits, 0.0)
+    assert 1.05 < inside.bounds.high < 1.5 and not inside.high_at_limit
