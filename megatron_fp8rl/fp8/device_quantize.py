@@ -233,6 +233,16 @@ def _static(q: StaticQuantizer, x, transposed):
     return result
 
 
+def device_quantize_rows(x: torch.Tensor, fmt: Fp8Format, margin: int = 0) -> Fp8Tensor:
+    """fp8/quantize.py `quantize_per_row(x, fmt, margin)` of a 2-D x on the device path (an amax
+    pass, the row scales on the device, the quantize pass): for row-wise scaled GEMMs; no recipe
+    quantizes per row today. scale_inv [M, 1]."""
+    partial = _kernels().row_bounds(x, fmt_name=fmt.name)
+    scale = scale_from_bound(partial.amax(0), fmt.max, margin)
+    out = _kernels().quantize_codes(x, fmt, "row", scale=scale)
+    return Fp8Tensor(out["codes"], scale.reciprocal().reshape(-1, 1), "row")
+
+
 _BY_TYPE = ((StaticQuantizer, _static), (CalibratedQuantizer, _calibrated), (DelayedQuantizer, _delayed),
             (CurrentQuantizer, _current), (BlockQuantizer, _blockwise))
 
@@ -277,6 +287,7 @@ def device_quantize_weight(quantizer, weight: torch.Tensor) -> Fp8Tensor:
             quantizer.observer.last_stats = stats
         return result
     result = device_quantize(quantizer, weight, transposed=True)
-    bound_scale = getattr(quantizer, "_device_bound_scale", None) if isinstance(quantizer, CalibratedQuantizer) else None
+    calibrated = isinstance(quantizer, CalibratedQuantizer)
+    bound_scale = getattr(quantizer, "_device_bound_scale", None) if calibrated else None
     quantizer._device_weight_cache = (key, result, quantizer.last_stats, bound_scale)
     return result

@@ -69,9 +69,13 @@ uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values);
 weight's with its codes' fp32 transpose (`dense_t`, what the grouped 'exact' GEMM reads) and its
 dequantized values (`values`, what every backward's dgrad reads). The backward dequantizes a
 block-scaled output gradient once for both of its GEMMs.
+Device path: `fp8_linear` hands CUDA inputs (and CPU ones inside `device_kernels_on_cpu()`) to
+fp8/device_linear.py (fused Triton quantization, FP8 dgrad and wgrad, no host sync); what follows
+here, Fp8LinearFunction, is the CPU tier's path, which never imports triton (fp8_matmul_nt serves both).
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only; the
 'triton_invariant' GEMM, and `check_recipe_gemm` where the GEMM resolves to it, import
-fp8/triton_gemm.py, torch + triton, when first called).
+fp8/triton_gemm.py, torch + triton, when first called; the device path imports
+fp8/device_linear.py at its first call).
 """
 from __future__ import annotations
 

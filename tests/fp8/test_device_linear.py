@@ -180,10 +180,15 @@ def test_the_guard_catches_the_cpu_path_and_the_usual_syncs():
             sync()
 
 
-@pytest.mark.parametrize("recipe", [CalibratedDelayedScaling(criterion="mse"),
-                                    CalibratedDelayedScaling(criterion="percentile", saturation_budget=1e-3, overflow_tolerance=1e-3),
-                                    BlockwiseScaling(weight_block=(64, 64), activation_block=(1, 64)),
-                                    BlockwiseScaling(weight_block=(128, 128), activation_block=(1, 32))])
+WITHOUT_DEVICE_KERNEL = [
+    CalibratedDelayedScaling(criterion="mse"),
+    CalibratedDelayedScaling(criterion="percentile", saturation_budget=1e-3, overflow_tolerance=1e-3),
+    BlockwiseScaling(weight_block=(64, 64), activation_block=(1, 64)),
+    BlockwiseScaling(weight_block=(128, 128), activation_block=(1, 32)),
+]
+
+
+@pytest.mark.parametrize("recipe", WITHOUT_DEVICE_KERNEL)
 def test_recipes_without_a_device_kernel_are_refused_by_name(recipe):
     with pytest.raises(ValueError, match="no device kernel"):
         check_device_recipe(recipe)
@@ -200,6 +205,7 @@ def test_cpu_path_does_not_import_triton():
             "import megatron_fp8rl.fp8.device_quantize\n"
             "for name in ('calibrated', 'groupwise32'):\n"
             "    x = torch.randn(4, 64, requires_grad=True)\n"
-            "    fp8_linear(x, torch.randn(8, 64), None, make_quantizers(recipe_by_name(name))).sum().backward()\n"
+            "    quantizers = make_quantizers(recipe_by_name(name))\n"
+            "    fp8_linear(x, torch.randn(8, 64), None, quantizers).sum().backward()\n"
             "assert 'triton' not in sys.modules, 'triton imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

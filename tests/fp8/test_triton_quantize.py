@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_fp8rl.fp8 import triton_quantize as tq
-from megatron_fp8rl.fp8.device_quantize import DeviceQuantStats, device_quantize
+from megatron_fp8rl.fp8.device_quantize import DeviceQuantStats, device_quantize, device_quantize_rows
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
 from megatron_fp8rl.fp8.quantize import (
     finite_amax,
@@ -79,9 +79,9 @@ def test_per_tensor_and_per_row_codes_equal_the_cpu_quantizers(fmt_name):
     out = tq.quantize_codes(x, fmt, "tensor", scale=scale, transposed=True)
     assert _same(out["codes"], reference.data)
     assert _same(out["codes_t"], reference.data.t().contiguous())
-    rows = quantize_per_row(x, fmt)
-    row_scale = rows.scale_inv.reciprocal().reshape(-1)
-    assert _same(tq.quantize_codes(x, fmt, "row", scale=row_scale)["codes"], rows.data)
+    rows = quantize_per_row(x, fmt, margin=1)
+    got = device_quantize_rows(x, fmt, margin=1)
+    assert _same(got.data, rows.data) and _same(got.scale_inv, rows.scale_inv)
 
 
 @pytest.mark.parametrize("fmt_name", ["e4m3", "e5m2"])
