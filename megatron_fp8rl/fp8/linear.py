@@ -69,12 +69,17 @@ uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values);
 weight's with its codes' fp32 transpose (`dense_t`, what the grouped 'exact' GEMM reads) and its
 dequantized values (`values`, what every backward's dgrad reads). The backward dequantizes a
 block-scaled output gradient once for both of its GEMMs.
+Device path: `fp8_linear` hands CUDA inputs (and CPU ones inside `device_kernels_on_cpu()`) to
+fp8/device_linear.py (fused Triton quantization, FP8 dgrad and wgrad, no host sync); what follows
+here, Fp8LinearFunction, is the CPU tier's path, which never imports triton (fp8_matmul_nt serves both).
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch only; the
 'triton_invariant' GEMM, and `check_recipe_gemm` where the GEMM resolves to it, import
-fp8/triton_gemm.py, torch + triton, when first called).
+fp8/triton_gemm.py, torch + triton, when first called; the device path imports
+fp8/device_linear.py at its first call).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -118,7 +123,12 @@ def check_recipe_gemm(recipe: Fp8Recipe, gemm: str, device: torch.device) -> Non
     """ValueError, at build time, naming a recipe whose layout the GEMM `gemm` resolves to on
     `device` has no code for: 'triton_invariant' (batch_invariant on CUDA) takes the blocks
     `_triton_blocks` lists only, so groupwise32's 1x32 groups would otherwise stop at the first
-    forward."""
+    forward. On CUDA also the recipes the device path's kernels refuse
+    (device_quantize.check_device_recipe)."""
+    if device.type == "cuda":
+        from megatron_fp8rl.fp8.device_quantize import check_device_recipe
+
+        check_device_recipe(recipe)
     if resolve_gemm(gemm, device) != "triton_invariant" or not isinstance(recipe, BlockwiseScaling):
         return
     from megatron_fp8rl.fp8.triton_gemm import GROUP  # the GEMM imports it on this device anyway
@@ -367,6 +377,21 @@ class Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+_DEVICE_KERNELS_ON_CPU = [False]
+
+
+@contextlib.contextmanager
+def device_kernels_on_cpu():
+    """Inside: `fp8_linear` runs the device path (fp8/device_linear.py: fused Triton quantization,
+    FP8 GEMMs in the backward, no host sync) on CPU tensors too, under TRITON_INTERPRET=1; for the
+    tests that check the CUDA path's code on a machine without a GPU."""
+    previous, _DEVICE_KERNELS_ON_CPU[0] = _DEVICE_KERNELS_ON_CPU[0], True
+    try:
+        yield
+    finally:
+        _DEVICE_KERNELS_ON_CPU[0] = previous
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -374,7 +399,12 @@ def fp8_linear(
     quantizers: Fp8Quantizers,
     gemm: str = "auto",
 ) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ weight [N, K]^T + bias [N], GEMMs in FP8 (module docstring)."""
+    """y [..., N] = x [..., K] @ weight [N, K]^T + bias [N], GEMMs in FP8 (module docstring).
+    CUDA inputs (and CPU ones inside `device_kernels_on_cpu()`) take fp8/device_linear.py's path."""
+    if x.device.type == "cuda" or _DEVICE_KERNELS_ON_CPU[0]:
+        from megatron_fp8rl.fp8.device_linear import device_fp8_linear  # imports triton: device path only
+
+        return device_fp8_linear(x, weight, bias, quantizers, gemm)
     return Fp8LinearFunction.apply(x, weight, bias, quantizers, gemm)
 
 

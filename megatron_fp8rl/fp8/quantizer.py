@@ -47,6 +47,20 @@ from megatron_fp8rl.fp8.scaling import DelayedScalingState, all_reduce_max_, rol
 from megatron_fp8rl.fp8.stats import QuantStats, block_quantization_stats, quantization_stats
 
 ROLES = ("input", "weight", "grad_output")
+_WEIGHTS_GENERATION = [0]
+
+
+def weights_updated() -> None:
+    """Declare that weights may have changed (after an optimizer step or a weight load): the
+    device path's weight-quantization cache (fp8/device_quantize.py) keys on this generation as
+    well as on each weight's storage and version counter, which in-place updates through `.data`
+    or a shared buffer skip. The CPU tier's WeightQuantCache compares bits and needs no call."""
+    _WEIGHTS_GENERATION[0] += 1
+
+
+def weights_generation() -> int:
+    """How many times `weights_updated()` was called in this process."""
+    return _WEIGHTS_GENERATION[0]
 RECIPE_TYPES = (
     recipes.CalibratedDelayedScaling,
     recipes.DelayedScaling,

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorag
 
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron, main_replica_shards
 from megatron_fp8rl.convert.integrity import verify_torch_dist
+from megatron_fp8rl.fp8.quantizer import weights_updated
 from megatron_fp8rl.convert.megatron_to_hf import (
     plan_megatron_to_hf, read_tensor_metadata, read_unit, split_unit,
 )
@@ -96,6 +97,7 @@ def _load_weights_only(model: torch.nn.Module, directory: Path) -> None:
     sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = model.load_state_dict(dist_checkpointing.load(sharded, str(directory)),
                                                 strict=False)
+    weights_updated()
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"{directory}: missing tensors {missing}, unexpected {unexpected}")
@@ -228,6 +230,7 @@ class MegatronActor:
                                           self._forward_as_served if as_served else self._forward,
                                           partial(self._policy_loss, terms), micro[0].tokens.shape[1], micro[0].size)
                 results.append(step_result(losses, self.optimizer.step()))
+                weights_updated()  # the device path's FP8 weight cache (fp8/device_quantize.py)
             if noise is None:
                 noise = NoiseFloor.from_metrics(results[0].metrics, self.objective.levels)
         metrics = _mean_metrics(results)

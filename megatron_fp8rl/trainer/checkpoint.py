@@ -37,6 +37,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron_fp8rl.compat.megatron_optim import ensure_optimizer_state, restore_adam_step
 from megatron_fp8rl.convert.integrity import verify_torch_dist, write_manifest
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
+from megatron_fp8rl.fp8.quantizer import weights_updated
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
@@ -216,6 +217,7 @@ def load_checkpoint(path: str | Path, model, optimizer, verify: bool = True) -> 
     sharded = _sharded_state(model, optimizer, trainer_state["optimizer_sharding"], True)
     loaded = dist_checkpointing.load(sharded, str(path))
     _unwrap(model).load_state_dict(loaded["model"])
+    weights_updated()  # the device path's FP8 weight cache (fp8/device_quantize.py)
     with torch.no_grad():  # fp32 main params are views of parameters that require grad
         optimizer.load_state_dict(loaded["optimizer"])
     restore_adam_step(optimizer)

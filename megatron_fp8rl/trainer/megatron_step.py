@@ -21,6 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_fp8rl.compat.megatron_optim import fuse_torch_adam
+from megatron_fp8rl.fp8.quantizer import weights_updated
 
 # A micro-batch is whatever the caller's forward and loss functions read (a dict of tensors, or
 # the RL step's typed trainer.batch.RolloutBatch); this module only hands it on. The loss function
@@ -125,7 +126,9 @@ def train_step(
     pipeline stage and averaged over DP).
     """
     losses = forward_backward(model, optimizer, micro_batches, forward_fn, loss_fn, seq_length, micro_batch_size)
-    return step_result(losses, optimizer.step())
+    stepped = optimizer.step()
+    weights_updated()  # the device path's FP8 weight cache (fp8/device_quantize.py)
+    return step_result(losses, stepped)
 
 
 def forward_backward(
