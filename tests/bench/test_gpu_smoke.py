@@ -1,9 +1,10 @@
 """The GPU kit's CPU path (bench/gpu_smoke.py --tiny: every item, the CUDA-only ones reported as
 skipped by name, the JSON written), so the kit does not rot between GPU loans; and its runner
 (failures recorded, JSON after each item, the budget). The kit runs in a subprocess (`python -S`,
-no site-packages) that sees only what the GPU machine will have: the standard library, torch and its own dependencies, and the wheelhouse of
-scripts/gpu_smoke.sh (megatron-core, numpy, packaging) -- an import of anything else (einops, yaml,
-transformers, sglang, ...) fails there as it would there. Two processes (the kit and its spawned
+no site-packages) that sees only what the GPU machine will have: the standard library, torch
+and its own dependencies, and the wheelhouse of scripts/gpu_smoke.sh (megatron-core, numpy,
+packaging) -- an import of anything else (einops, yaml, transformers, sglang, ...) fails there as
+it would there. Two processes (the kit and its spawned
 weight receiver), ~20 s."""
 import json
 import math
