@@ -224,7 +224,8 @@ def gemm(ctx: Context) -> dict[str, object]:
 
 def _gemm_speed(ctx: Context, m: int, n: int, k: int) -> dict[str, float]:
     device, flop = ctx.device, 2 * m * n * k
-    x, w = torch.randn(m, k, device=device, dtype=torch.bfloat16), torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
     row = {"bf16_ms": _ms(lambda: F.linear(x, w), ctx)}
     for layout in GEMM_LAYOUTS:
         a, b = _gemm_operands(layout, m, n, k, device)

@@ -66,8 +66,10 @@ layout a recipe makes runs an FP8 kernel (per tensor: cuBLAS `_scaled_mm`; per r
 scaling; 1xG groups and GxG blocks: the Triton kernel) or raises naming it, and
 `check_recipe_gemm` refuses at build time a recipe x GEMM without one (the CPU GEMMs 'exact',
 'tiled', 'fp32_accumulate' on CUDA). Its `out_dtype` (fp32 or bf16) lets a caller take the
-bf16 result the kernel's epilogue writes instead of casting an fp32 one. The weight stays a high-precision (FP32/BF16) master
-parameter; the FP8 copies of x and W saved for the backward are 1 byte per element.
+bf16 result the kernel's epilogue writes instead of casting an fp32 one. (`Fp8LinearFunction`'s
+backward below still dequantizes block operands itself; the CUDA device linear replaces it.)
+The weight stays a high-precision (FP32/BF16) master parameter; the FP8 copies of x and W saved
+for the backward are 1 byte per element.
 Speed on CPU (bench/fp8_linear_speed.py): a calibrated or frozen-scale weight's quantization is
 cached (quantizer.WeightQuantCache) with its fp32 copy and transpose, which 'fp32_accumulate'
 uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values); a block

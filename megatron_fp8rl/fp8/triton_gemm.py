@@ -213,6 +213,14 @@ def _check_scales(a, b, sa, sb, group: int | None, b_rows: bool) -> None:
         check("sb", sb, (math.ceil(n / group), groups), operands + f" with {group}x{group} block scales")
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it (on its device) when its data does not start on a 16-byte boundary:
+    triton compiles another variant of the kernel for unaligned pointers (other loads, possibly
+    other MMA instructions), so rows viewed at an odd offset in a batch could get other bits than
+    the same rows at its start."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                          group: int | None = None, b_rows: bool = False,
                          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -225,6 +233,7 @@ def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb:
     _check_operands(a, b)
     _check_scales(a, b, sa, sb, group, b_rows)
     kernel, interpret = _kernel(a.device)
+    a, b, sa, sb = (_aligned(t) for t in (a, b, sa, sb))
     (m, k), n = a.shape, b.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -233,5 +242,6 @@ def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb:
     scale_strides = (sa.stride(0), sb.stride(0)) if group is not None else (0, 0)
     kernel[grid](a, b, y, sa, sb, m, n, k, a.stride(0), b.stride(0), y.stride(0), *scale_strides,
                  GROUP=group or 0, SB_ROWS=1 if b_rows or group is None else group, ROW_SUMS=interpret,
-                 PROMOTE=min(PROMOTE_K, group or TILE["BLOCK_K"]), SWIZZLE=SWIZZLE_M, OUT_BF16=out_dtype == torch.bfloat16, **TILE, **LAUNCH)
+                 PROMOTE=min(PROMOTE_K, group or TILE["BLOCK_K"]), SWIZZLE=SWIZZLE_M,
+                 OUT_BF16=out_dtype == torch.bfloat16, **TILE, **LAUNCH)
     return y

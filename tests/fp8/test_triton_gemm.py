@@ -187,7 +187,8 @@ def test_cuda_routing_on_cpu_tensors():
     torch.testing.assert_close(_cuda_matmul_nt(a, b, "scaled_mm", torch.float32), fp8_matmul_nt(a, b, "scaled_mm"))
     gen = torch.Generator().manual_seed(3)
     rows = quantize_per_row(torch.randn(M, 128, generator=gen), E4M3)
-    for left, right in ((rows, b), (rows, quantize_per_row(b.dequantize(), E4M3)), (a, quantize_per_row(b.dequantize(), E4M3))):
+    b_rows = quantize_per_row(b.dequantize(), E4M3)
+    for left, right in ((rows, b), (rows, b_rows), (a, b_rows)):
         y = _cuda_matmul_nt(left, right, "scaled_mm", torch.bfloat16)
         reference = (left.dequantize().double() @ right.dequantize().double().t()).bfloat16()
         assert y.dtype == torch.bfloat16
@@ -248,7 +249,7 @@ def test_block_scales_of_the_wrong_shape_are_refused():
 
 def test_group_scales_of_the_wrong_shape_are_refused():
     a, b = _operands("group128")
-    with pytest.raises(ValueError, match=r"sb must .* shape \(200, 3\).*1x128 group scales.*found torch.float32 \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"sb must .* \(200, 3\).*1x128 group scales.*found torch.float32 \(2, 3\)"):
         fp8_matmul_nt(a, Fp8Tensor(b.data, torch.ones(2, 3), "block", ACTIVATION_BLOCK), "triton_invariant")
 
 
@@ -293,3 +294,15 @@ def test_cpu_tensors_without_the_interpreter_raise_naming_the_reason(monkeypatch
     a, b = _operands("tensor", m=2, n=8, k=32)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET is not set to 1"):
         fp8_matmul_nt(a, b, "triton_invariant")
+
+
+def test_rows_viewed_at_an_unaligned_offset_get_the_same_bits():
+    """A contiguous view starting mid-batch (row 3 of a 300-column FP8 matrix: 900 bytes in, not
+    16-byte aligned) is copied to an aligned start, so triton runs the same compiled variant."""
+    a, b = _operands("group32", m=40, k=300)
+    full = fp8_matmul_nt(a, b, "triton_invariant")
+    view = Fp8Tensor(a.data[3:], a.scale_inv[3:], "block", a.block)
+    assert view.data.data_ptr() % 16 != 0 and view.data.is_contiguous()
+    aligned = triton_gemm._aligned(view.data)  # what the kernel is handed
+    assert aligned.data_ptr() % 16 == 0 and torch.equal(aligned.view(torch.uint8), view.data.view(torch.uint8))
+    assert torch.equal(fp8_matmul_nt(view, b, "triton_invariant"), full[3:])
