@@ -236,7 +236,33 @@ def _gemm_speed(ctx: Context, m: int, n: int, k: int) -> dict[str, float]:
         row[f"{layout}_tflops"] = flop / row[f"{layout}_ms"] / 1e9
         row[f"{layout}_vs_bf16"] = row["bf16_ms"] / row[f"{layout}_ms"]
     row["tensor_vs_scaled_mm"] = row["scaled_mm_ms"] / row["tensor_ms"]
+    if device.type == "cuda":
+        row.update(_cublas_blockwise(ctx, *_gemm_operands("block128", m, n, k, device), row["bf16_ms"]))
     return row
+
+
+def _cublas_blockwise(ctx: Context, a, b, bf16_ms: float) -> dict[str, object]:
+    """A probe, not a route (fp8/linear.py does not call it): cuBLAS 1x128 x 128x128 through
+    `torch.nn.functional.scaled_mm` (scale_a column-major), as far as this torch takes it; on the
+    H200 it refused M = 1, 2, 3, 7, 17, 333, 4095 and its rows were not batch-invariant."""
+    try:
+        from torch.nn.functional import ScalingType, scaled_mm
+    except ImportError as err:
+        return {"cublas_block128": f"unavailable: {err}"}
+    sa = a.scale_inv.t().contiguous().t()
+    errors = []
+    for name, sb in (("sb", b.scale_inv), ("sb.t()", b.scale_inv.t())):
+        def call(sb=sb):
+            return scaled_mm(a.data, b.data.t(), sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
+                             output_dtype=torch.bfloat16)
+        try:
+            call()
+        except Exception as err:  # a layout or shape this torch refuses: try the other, then report
+            errors.append(f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+            continue
+        ms = _ms(call, ctx)
+        return {"cublas_block128_ms": ms, "cublas_block128_vs_bf16": bf16_ms / ms, "cublas_block128_sb": name}
+    return {"cublas_block128": "; ".join(errors)}
 
 
 def _gemm_checks(ctx: Context, layout: str, n: int, k: int) -> dict[str, object]:
