@@ -187,12 +187,17 @@ def _fwd_bwd_ms(forward, dy, device, reps) -> tuple[float, float]:
     return fwd * 1e3, _time(lambda: forward().backward(dy), device, reps) * 1e3
 
 
-def _gemm_operands(layout: str, m: int, n: int, k: int, device: torch.device, seed: int = 0):
+def _gemm_inputs(m: int, n: int, k: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k], w [n, k] fp32, drawn on `device` (drawing 16384 x 12288 on the host took seconds)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    return (torch.randn(m, k, generator=gen, device=device),
+            torch.randn(n, k, generator=gen, device=device) * 0.02)
+
+
+def _gemm_operands(layout: str, x: torch.Tensor, w: torch.Tensor):
     from megatron_fp8rl.fp8.formats import E4M3
     from megatron_fp8rl.fp8.quantize import quantize_blockwise, quantize_per_tensor
 
-    gen = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(m, k, generator=gen).to(device), (torch.randn(n, k, generator=gen) * 0.02).to(device)
     if GEMM_LAYOUTS[layout] is None:
         return quantize_per_tensor(x, E4M3), quantize_per_tensor(w, E4M3)
     a_block, b_block = GEMM_LAYOUTS[layout]
@@ -224,11 +229,11 @@ def gemm(ctx: Context) -> dict[str, object]:
 
 def _gemm_speed(ctx: Context, m: int, n: int, k: int) -> dict[str, float]:
     device, flop = ctx.device, 2 * m * n * k
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-    row = {"bf16_ms": _ms(lambda: F.linear(x, w), ctx)}
+    x, w = _gemm_inputs(m, n, k, device)
+    x16, w16 = x.bfloat16(), w.bfloat16()
+    row = {"bf16_ms": _ms(lambda: F.linear(x16, w16), ctx)}
     for layout in GEMM_LAYOUTS:
-        a, b = _gemm_operands(layout, m, n, k, device)
+        a, b = _gemm_operands(layout, x, w)
         if layout == "tensor":
             row["scaled_mm_ms"] = _ms(lambda: torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv,
                                                                scale_b=b.scale_inv, out_dtype=torch.bfloat16), ctx)
@@ -237,7 +242,7 @@ def _gemm_speed(ctx: Context, m: int, n: int, k: int) -> dict[str, float]:
         row[f"{layout}_vs_bf16"] = row["bf16_ms"] / row[f"{layout}_ms"]
     row["tensor_vs_scaled_mm"] = row["scaled_mm_ms"] / row["tensor_ms"]
     if device.type == "cuda":
-        row.update(_cublas_blockwise(ctx, *_gemm_operands("block128", m, n, k, device), row["bf16_ms"]))
+        row.update(_cublas_blockwise(ctx, *_gemm_operands("block128", x, w), row["bf16_ms"]))
     return row
 
 
@@ -268,7 +273,7 @@ def _cublas_blockwise(ctx: Context, a, b, bf16_ms: float) -> dict[str, object]:
 def _gemm_checks(ctx: Context, layout: str, n: int, k: int) -> dict[str, object]:
     """Rows of M = probe_ms alone against the same rows of M = invariance_m (bit-equal?), and
     the first 64 rows' max error over the fp32-accumulation bound against a float64 oracle."""
-    a, b = _gemm_operands(layout, ctx.size["invariance_m"], n, k, ctx.device, seed=1)
+    a, b = _gemm_operands(layout, *_gemm_inputs(ctx.size["invariance_m"], n, k, ctx.device, seed=1))
     full = _triton(a, b, torch.float32)
     unequal = []
     for m in ctx.size["probe_ms"]:
