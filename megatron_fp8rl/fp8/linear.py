@@ -49,20 +49,27 @@ The FP8 GEMM (`gemm` argument, GEMMS):
 - 'triton_invariant': fp8/triton_gemm.py's Triton kernel: fixed tiles, no split-K, fp32
                      accumulation in a fixed K order, so a row's result does not depend on M either
                      (batch-invariant on GPU, where 'exact' would be slow and cuBLASLt's algorithm
-                     changes with the shape). Per-tensor x per-tensor, or 1x128 activation groups x
-                     128x128 or 1x128 weight blocks; any other layout raises. CPU tensors need
-                     TRITON_INTERPRET=1 (else it raises). The backward runs 'scaled_mm' on CUDA,
-                     'fp32_accumulate' elsewhere;
+                     changes with the shape). Per-tensor x per-tensor, or 1xG activation groups x
+                     GxG or 1xG weight blocks, G = 32 or 128 (ragged K too); any other layout
+                     raises. CPU tensors need TRITON_INTERPRET=1 (else it raises). The backward
+                     runs 'scaled_mm' on CUDA, 'fp32_accumulate' elsewhere;
 - 'auto' (default):  'scaled_mm' on CUDA, 'exact' on CPU, because torch 2.13's CPU
                      `_scaled_mm` (no AMX here) runs ~100x slower than an fp32 matmul (measured:
                      1 s for 256x64x192), which would make the CPU tier's training unusable;
 - 'batch_invariant': what aligned rollouts select on both sides (trainer and SGLang's `fp8rl`
                      method): 'triton_invariant' on CUDA, 'tiled' on CPU.
-Q_g uses the recipe's backward format: E5M2 under 'hybrid', E4M3 under 'e4m3'. When an operand
-is not per-tensor (blockwise recipes: `_scaled_mm` on CPU rejects 128x128 block scales, and
-1x128 activation groups split the wgrad's contraction dimension), that GEMM runs as dequantize +
-fp32 matmul of the same FP8 values. The weight stays a high-precision (FP32/BF16) master
-parameter; the FP8 copies of x and W saved for the backward are 1 byte per element.
+Q_g uses the recipe's backward format: E5M2 under 'hybrid', E4M3 under 'e4m3'. On the CPU, when
+an operand is not per-tensor (blockwise recipes: `_scaled_mm` on CPU rejects 128x128 block
+scales, and 1x128 activation groups split the wgrad's contraction dimension), that GEMM runs as
+dequantize + fp32 matmul of the same FP8 values. On CUDA `fp8_matmul_nt` never does: every
+layout a recipe makes runs an FP8 kernel (per tensor: cuBLAS `_scaled_mm`; per row: its row-wise
+scaling; 1xG groups and GxG blocks: the Triton kernel) or raises naming it, and
+`check_recipe_gemm` refuses at build time a recipe x GEMM without one (the CPU GEMMs 'exact',
+'tiled', 'fp32_accumulate' on CUDA). Its `out_dtype` (fp32 or bf16) lets a caller take the
+bf16 result the kernel's epilogue writes instead of casting an fp32 one. (`Fp8LinearFunction`'s
+backward below still dequantizes block operands itself; the CUDA device linear replaces it.)
+The weight stays a high-precision (FP32/BF16) master parameter; the FP8 copies of x and W saved
+for the backward are 1 byte per element.
 Speed on CPU (bench/fp8_linear_speed.py): a calibrated or frozen-scale weight's quantization is
 cached (quantizer.WeightQuantCache) with its fp32 copy and transpose, which 'fp32_accumulate'
 uses instead of casting the FP8 data again (`Fp8Tensor.dense`: the same values); a block
@@ -90,6 +97,8 @@ from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling
 
 EXTRA_STATE_VERSION = 1
 GEMMS = ("auto", "batch_invariant", "scaled_mm", "fp32_accumulate", "exact", "tiled", "triton_invariant")
+CPU_GEMMS = ("exact", "tiled", "fp32_accumulate")
+"""The GEMMs that sum dequantized codes in fp32 / fp64 on the CPU: refused on CUDA (no FP8 kernel)."""
 EXACT_MAX_K = 2**17
 """Longest contraction for which fp64 sums of E4M3 x E4M3 products are exact (module docstring)."""
 EXACT_ROW_CHUNK = 64
@@ -120,30 +129,36 @@ def resolve_gemm(gemm: str, device: torch.device) -> str:
 
 
 def check_recipe_gemm(recipe: Fp8Recipe, gemm: str, device: torch.device) -> None:
-    """ValueError, at build time, naming a recipe whose layout the GEMM `gemm` resolves to on
-    `device` has no code for: 'triton_invariant' (batch_invariant on CUDA) takes the blocks
-    `_triton_blocks` lists only, so groupwise32's 1x32 groups would otherwise stop at the first
-    forward. On CUDA also the recipes the device path's kernels refuse
-    (device_quantize.check_device_recipe)."""
-    if device.type == "cuda":
-        from megatron_fp8rl.fp8.device_quantize import check_device_recipe
-
-        check_device_recipe(recipe)
-    if resolve_gemm(gemm, device) != "triton_invariant" or not isinstance(recipe, BlockwiseScaling):
+    """ValueError, at build time, naming a recipe x GEMM that has no FP8 kernel on `device`, so it
+    cannot stop at the first forward (or run as a dequantize + fp32 matmul). On CUDA: the recipes
+    the device path's quantization kernels refuse (device_quantize.check_device_recipe); the CPU
+    GEMMs (CPU_GEMMS) whatever the recipe; block recipes need 1xG activation groups with GxG or 1xG
+    weights, G in the Triton kernel's GROUPS (what `_triton_blocks` accepts), under 'scaled_mm' as
+    under 'triton_invariant'. On the CPU every combination has code."""
+    resolved = resolve_gemm(gemm, device)
+    if device.type != "cuda":
         return
-    from megatron_fp8rl.fp8.triton_gemm import GROUP  # the GEMM imports it on this device anyway
+    from megatron_fp8rl.fp8.device_quantize import check_device_recipe
 
-    if not _triton_blocks(recipe.activation_block, recipe.weight_block, GROUP):
-        raise ValueError(f"FP8 gemm {gemm!r} on {device.type} is the Triton kernel, whose scale groups are "
-                         f"{GROUP} wide; the recipe's blocks "
-                         f"{sorted({recipe.weight_block, recipe.activation_block})} are not (groupwise32 runs "
-                         "aligned on the CPU tier only so far: use model.fp8=groupwise on the GPU)")
+    check_device_recipe(recipe)
+    if resolved in CPU_GEMMS:
+        raise ValueError(f"FP8 gemm {gemm!r} is {resolved!r}, a CPU GEMM (fp32 or fp64 sums of the dequantized "
+                         f"codes): on cuda it has no FP8 kernel; use 'auto' / 'scaled_mm' (cuBLAS, Triton for "
+                         "groups) or 'batch_invariant' / 'triton_invariant' (aligned rollouts)")
+    if isinstance(recipe, BlockwiseScaling):
+        from megatron_fp8rl.fp8.triton_gemm import GROUPS  # the GEMM imports it on this device anyway
+
+        if not _triton_blocks(recipe.activation_block, recipe.weight_block, GROUPS):
+            raise ValueError(f"FP8 gemm {gemm!r} on cuda: the recipe's blocks activation {recipe.activation_block} x "
+                             f"weight {recipe.weight_block} have no FP8 kernel; the Triton kernel takes (1, G) "
+                             f"activations with (G, G) or (1, G) weights, G in {GROUPS}")
 
 
-def _triton_blocks(a_block: tuple[int, int], b_block: tuple[int, int], group: int) -> bool:
-    """The block layouts the Triton kernel has code for: 1 x group activations (a) with
-    group x group or 1 x group weights (b)."""
-    return a_block == (1, group) and b_block in ((group, group), (1, group))
+def _triton_blocks(a_block: tuple[int, int], b_block: tuple[int, int], groups: tuple[int, ...]) -> bool:
+    """The block layouts the Triton kernel has code for: 1 x G activations (a) with G x G or
+    1 x G weights (b), G one of `groups`."""
+    group = a_block[1]
+    return a_block[0] == 1 and group in groups and b_block in ((group, group), (1, group))
 
 
 def _backward_gemm(gemm: str, device: torch.device) -> str:
@@ -154,12 +169,22 @@ def _backward_gemm(gemm: str, device: torch.device) -> str:
     return "fp32_accumulate" if gemm in ("exact", "tiled") else gemm
 
 
-def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.Tensor:
-    """a @ b^T in fp32 for a [M, K], b [N, K] (module docstring): per-tensor operands by `gemm`;
-    'triton_invariant' also takes 1x128 x 128x128 block scales; other granularities: dequantize
-    + fp32 matmul."""
+def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm",
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a @ b^T for a [M, K], b [N, K] (module docstring), in `out_dtype` (float32 or bfloat16:
+    the fp32 result rounded once). On CUDA every layout runs an FP8 kernel or raises naming it
+    (`_cuda_matmul_nt`); on the CPU per-tensor operands by `gemm`, 'triton_invariant' also block
+    scales, other granularities dequantize + fp32 matmul."""
+    if a.data.device.type == "cuda":
+        return _cuda_matmul_nt(a, b, gemm, out_dtype)
     if gemm == "triton_invariant":
-        return _triton_matmul_nt(a, b)
+        return _triton_matmul_nt(a, b, out_dtype)
+    y = _cpu_matmul_nt(a, b, gemm)
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def _cpu_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str) -> torch.Tensor:
+    """The CPU tier's GEMMs (module docstring), fp32 out."""
     if gemm == "exact" and _row_or_tensor(a, b) and _exact_sum_fits(a, b):
         return (_wide(a) @ _wide(b).t()).float() * _left_scale(a) * _left_scale(b).reshape(1, -1)
     if gemm == "exact" and _same_groups(a, b) and _exact_sum_fits(a, b):
@@ -179,20 +204,49 @@ def fp8_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str = "scaled_mm") -> torch.
     return (_dense(a) @ _dense(b).t()) * a.scale_inv.float() * b.scale_inv.float()
 
 
-def _triton_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
-    """'triton_invariant' for the layouts its kernel has; ValueError naming any other (a fallback
-    to another GEMM would silently lose batch invariance)."""
-    from megatron_fp8rl.fp8.triton_gemm import GROUP, triton_fp8_matmul_nt
+def _cuda_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_matmul_nt on CUDA, an FP8 kernel for every layout a recipe makes, never a dequantize +
+    fp32 matmul: 'triton_invariant' the Triton kernel (per-tensor, 1xG x GxG / 1xG); 'scaled_mm'
+    per-tensor operands through cuBLAS `torch._scaled_mm`, per-row ones (either operand; a
+    per-tensor partner's scale broadcast) through its row-wise scaling, block / group operands
+    through the Triton kernel. The CPU GEMMs (CPU_GEMMS) raise, as any other layout does."""
+    if gemm in CPU_GEMMS or gemm not in ("scaled_mm", "triton_invariant"):
+        raise ValueError(f"FP8 gemm {gemm!r} on cuda: not an FP8 kernel (CPU GEMMs {CPU_GEMMS} would dequantize "
+                         "and run an fp32 matmul); resolve 'auto' / 'batch_invariant' with resolve_gemm, or use "
+                         "'scaled_mm' / 'triton_invariant'")
+    if gemm == "triton_invariant" or a.granularity == "block" or b.granularity == "block":
+        return _triton_matmul_nt(a, b, out_dtype)
+    if a.granularity == b.granularity == "tensor":
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv.float(), scale_b=b.scale_inv.float(),
+                                out_dtype=out_dtype)
+    m, n = a.data.shape[0], b.data.shape[0]
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=_row_scales(a, m, (m, 1)),
+                            scale_b=_row_scales(b, n, (1, n)), out_dtype=out_dtype)
+
+
+def _row_scales(t: Fp8Tensor, rows: int, shape: tuple[int, int]) -> torch.Tensor:
+    """t's multipliers as row-wise `_scaled_mm` takes them: fp32, contiguous, `shape` ([M, 1] for
+    a, [1, N] for b); a per-tensor scale broadcast to every row (a device copy, no host sync)."""
+    scales = t.scale_inv.float()
+    if t.granularity == "tensor":
+        return scales.reshape(1, 1).expand(shape).contiguous()
+    return scales.reshape(shape).contiguous()
+
+
+def _triton_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The Triton kernel for the layouts it has; ValueError naming any other (a fallback to
+    another GEMM would silently lose batch invariance, or on CUDA run an fp32 matmul)."""
+    from megatron_fp8rl.fp8.triton_gemm import GROUPS, triton_fp8_matmul_nt
 
     layout = (a.granularity, a.block, b.granularity, b.block)
     if layout == ("tensor", None, "tensor", None):
-        return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv)
-    if layout[0] == layout[2] == "block" and _triton_blocks(a.block, b.block, GROUP):
-        return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, block_scaled=True,
-                                    b_row_scaled=b.block == (1, GROUP))
+        return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype=out_dtype)
+    if layout[0] == layout[2] == "block" and _triton_blocks(a.block, b.block, GROUPS):
+        return triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, group=a.block[1],
+                                    b_rows=b.block[0] == 1, out_dtype=out_dtype)
     raise ValueError(f"triton_invariant FP8 GEMM: operands {a.granularity} {a.block} x {b.granularity} {b.block} "
                      f"(shapes {tuple(a.data.shape)} x {tuple(b.data.shape)}) are not supported; per-tensor x "
-                     f"per-tensor, or block (1, {GROUP}) x block ({GROUP}, {GROUP}) or (1, {GROUP})")
+                     f"per-tensor, or block (1, G) x block (G, G) or (1, G), G in {GROUPS}")
 
 
 def _tiled_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:

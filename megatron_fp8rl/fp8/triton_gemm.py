@@ -1,114 +1,157 @@
-"""A batch-invariant FP8 GEMM in Triton: y = A_fp8 @ B_fp8^T with per-tensor or block scales.
+"""A batch-invariant FP8 GEMM in Triton: y = A_fp8 @ B_fp8^T with per-tensor or group / block scales.
 
-Owns: `triton_fp8_matmul_nt` (the host function: operand checks, launch) and its kernel
-`_fp8_gemm_nt_kernel`, the 'triton_invariant' GEMM of fp8/linear.py.
+Owns: `triton_fp8_matmul_nt` (the host function: operand checks, launch), its kernel
+`_fp8_gemm_nt_kernel` and `_block_dot`, the one place where the CPU interpreter and the GPU differ;
+the 'triton_invariant' GEMM of fp8/linear.py.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch and triton only;
 triton is imported by the one module that needs it, so fp8/ itself stays importable without it).
 
-Arithmetic, A [M, K] and B [N, K] FP8 (E4M3 or E5M2), y [M, N] fp32:
-- per tensor: y = (sum_k a[m, k] * b[n, k]) * sa * sb, sa and sb fp32 0-d dequant multipliers;
-- block: A with 1x128 group scales sa [M, K/128] (activations, per token), B with 128x128 block
-  scales sb [ceil(N/128), K/128] (the DeepSeek / SGLang `weight_scale_inv` layout):
-  y = sum_g (sum_{k in group g} a b) * sa[m, g] * sb[n // 128, g], each group's partial sum
-  promoted to the fp32 accumulator before the next (K must be a multiple of 128); or B with 1x128
-  group scales sb [N, K/128] (the `groupwise` recipe: each output channel's K in groups of 128),
-  then y = sum_g (sum_{k in group g} a b) * sa[m, g] * sb[n, g].
-Batch invariance by construction: one fixed tile configuration (TILE) whatever the shapes, no
-split-K, and each program walks K in the same order from k = 0, so y[m, :] depends only on A's
-row m and on B: the same bits whether row m is multiplied alone, in a batch of 64, or at another
-position in the batch (tests/fp8/test_triton_gemm.py). Under the interpreter `tl.dot` is numpy's
-matmul, i.e. the host's BLAS, whose float32 kernels need not sum every row of a tile in the same
-order: on an AMD EPYC box (OpenBLAS's Haswell sgemm kernel) rows 6-15 of each 16 came out in other
-bits than rows 0-5, so a row's bits depended on its position in the batch. Under the interpreter
-(CPU tensors, or CUDA ones with TRITON_INTERPRET=1) the kernel therefore sums each block's exact
-products per output element itself: a [BLOCK_M, BLOCK_N, 128] product tensor halved seven times
-(reshape, split, add), the same tree for every row, with builtins only (`tl.sum` is itself
-`triton.jit`-wrapped, see below); compiled kernels keep `tl.dot`. Products of FP8 values are exact
-in fp32; the sums are fp32 (`max_num_imprecise_acc=0` asks Hopper's FP8 MMA to promote every
-instruction to the fp32 accumulator, as `torch._scaled_mm` does without `use_fast_accum`).
+Arithmetic, A [M, K] and B [N, K] FP8 (E4M3 or E5M2), y [M, N] fp32 or bf16 (`out_dtype`: the
+epilogue rounds the fp32 result once, to nearest even, in integer arithmetic: the interpreter's
+float casts truncate, so a plain cast would give the CPU other bits than the GPU; the bits equal
+`y_fp32.to(torch.bfloat16)`):
+- per tensor (`group=None`): y = (sum_k a[m, k] * b[n, k]) * sa * sb, sa and sb fp32 0-d dequant
+  multipliers; the sum accumulates in fp32 across K;
+- groups (`group=G`, G in GROUPS: 32 or 128): A with 1xG group scales sa [M, ceil(K/G)]
+  (activations, per token); B with GxG block scales sb [ceil(N/G), ceil(K/G)] (the DeepSeek /
+  SGLang `weight_scale_inv` layout at G = 128) or, with `b_rows`, 1xG group scales sb
+  [N, ceil(K/G)] (the `groupwise` / `groupwise32` recipes):
+  y = sum_g (sum_{k in group g} a b) * sa[m, g] * sb[n // G or n, g], each group's partial sum
+  scaled and added to the fp32 accumulator in K order. K need not be a multiple of G (a ragged
+  last group: the loads past K read zeros).
+Batch invariance by construction: one fixed tile configuration (TILE, LAUNCH) whatever the shapes,
+no split-K, and each program walks K in the same order from k = 0, so y[m, :] depends only on A's
+row m (and its scales) and on B: the same bits whether row m is multiplied alone, in a batch of 64,
+or at another position in the batch (tests/fp8/test_triton_gemm.py on CPU; on an H200 rows of
+M = 1..1000 equal those of M = 4096, ../shared/DESIGN.md). Products of FP8 values are exact in
+fp32; on the GPU the MMA promotes its partial sums into the fp32 accumulator every PROMOTE_K K
+elements.
+One kernel body for CPU and GPU: everything but `_block_dot` (a tile's a @ b added to the
+accumulator) is the same code in both; `_block_dot`'s docstring says why the interpreter sums
+differently there.
 Where it runs: CUDA tensors compile for the GPU; CPU tensors only under Triton's interpreter
-(`TRITON_INTERPRET=1`). triton 3.x reads that variable when `triton.jit` wraps a function: this
-kernel is wrapped at first use, once per mode, never at import; and it calls only triton's
-builtins (`tl.full`, not `tl.zeros`, which triton.language wraps with `triton.jit` when it is first
-imported), so whether the interpreter runs it depends on the variable at call time only, not on
-which module imported triton first. CPU tensors without the interpreter raise: there is no silent
-fallback to another GEMM, whose rows would depend on the batch.
+(`TRITON_INTERPRET=1`). triton 3.x reads that variable when `triton.jit` wraps a function: the
+kernel and `_block_dot` are wrapped at first use, once per mode, never at import (`_wrapped`), and
+call only triton's builtins (`tl.full`, not `tl.zeros`, which triton.language wraps with
+`triton.jit` when it is first imported), so whether the interpreter runs them depends on the
+variable at call time only, not on which module imported triton first. CPU tensors without the
+interpreter raise: there is no silent fallback to another GEMM, whose rows would depend on the batch.
+APIs used exist in triton 3.6 (the GPU machine's) as in 3.9 (the CPU tier's).
 """
 from __future__ import annotations
 
 import functools
 import math
+import types
 
 import torch
 import triton
 import triton.language as tl
 
 TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}
-"""The one tile shape every call uses (changing it with M would change rows' bits)."""
+"""The one tile shape every call uses (changing it with M would change rows' bits). BLOCK_K is the
+K step of the loop; scale groups narrower than it (1x32) are summed as BLOCK_K / G sub-steps."""
 LAUNCH = {"num_warps": 4, "num_stages": 3}
 """GPU launch options, fixed for the same reason."""
-GROUP = 128
-"""Scale group along K (1x128 activations, 128x128 weights); equal to BLOCK_K and BLOCK_N."""
+PROMOTE_K = 128
+"""`tl.dot`'s max_num_imprecise_acc: Hopper's FP8 MMA adds its partial sums into the fp32
+accumulator at least every PROMOTE_K K elements (cuBLAS and DeepGEMM promote every 128 too).
+Measured on an H200 (../shared/DESIGN.md): 0 (promote every instruction) 440-456 TFLOP/s
+per-tensor, 128: 770-812, rows still bit-invariant, max error equal to cuBLAS's. Grouped scales
+promote at each group anyway (each group's partial sum is scaled into the accumulator)."""
+GROUPS = (32, 128)
+"""Scale group widths along K the kernel takes (1xG activations; 1xG or GxG weights)."""
+SWIZZLE_M = 8
+"""Programs walk the tiles in bands of SWIZZLE_M row tiles so that neighbours reuse B's tiles in
+L2; which program computes a tile changes no bit of it."""
+OUT_DTYPES = (torch.float32, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_ELEMENTS = 2**31
 """Offsets are 32-bit in the kernel: operands and output must hold fewer elements."""
 
 
-def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
-                        stride_am, stride_bn, stride_ym, stride_asm, stride_bsn,
-                        BLOCK_SCALED: tl.constexpr, B_ROW_SCALED: tl.constexpr, ROW_SUMS: tl.constexpr,
+def _block_dot(a, b, acc, ROW_SUMS: tl.constexpr, PROMOTE: tl.constexpr):
+    """acc + a @ b in fp32, a [BM, BK] and b [BK, BN] FP8 tiles: the kernel's only code that
+    differs between GPU and CPU.
+
+    GPU (ROW_SUMS False): `tl.dot`, the FP8 tensor cores, promoting into acc every PROMOTE K.
+    Interpreter (ROW_SUMS True): `tl.dot` there is numpy's matmul, i.e. the host's BLAS, whose
+    float32 kernels need not sum every row of a tile in the same order (on an AMD EPYC box,
+    OpenBLAS's Haswell sgemm, rows 6-15 of each 16 came out in other bits than rows 0-5), so a
+    row's bits would depend on its position in the batch and the CPU tests could not check
+    invariance. Here the exact products [BM, BN, BK] are summed per output element by halving K
+    log2(BK) times (reshape, split, add): the same tree for every row, builtins only (`tl.sum` is
+    itself `triton.jit`-wrapped at import, module docstring). The sums are fp32 in both; only
+    their order differs, which the bounds of the tests allow for."""
+    if ROW_SUMS:
+        part = tl.permute(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], (0, 2, 1))
+        while part.shape[2] > 1:  # shapes inline: the interpreter turns assigned ints into tensors
+            pairs = tl.split(tl.reshape(part, (part.shape[0], part.shape[1], part.shape[2] // 2, 2)))
+            part = pairs[0] + pairs[1]
+        return acc + tl.reshape(part, (part.shape[0], part.shape[1]))
+    return tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+
+
+def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, sa_ptr, sb_ptr, M, N, K,
+                        stride_am, stride_bn, stride_ym, stride_sam, stride_sbn,
+                        GROUP: tl.constexpr, SB_ROWS: tl.constexpr, ROW_SUMS: tl.constexpr,
+                        PROMOTE: tl.constexpr, SWIZZLE: tl.constexpr, OUT_BF16: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of y, K walked in order from 0 (module docstring). ROW_SUMS:
-    each block's products summed pairwise over K per output element instead of `tl.dot`."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    """One [BLOCK_M, BLOCK_N] tile of y, K walked in order from 0 (module docstring). GROUP 0:
+    per-tensor scales applied in the epilogue; else the width of the K groups, each group's
+    partial sum scaled into the accumulator; SB_ROWS: rows of b per row of its scales (1 or G)."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N
+    band = pid // (SWIZZLE * tiles_n)
+    band_rows = tl.minimum(tiles_m - band * SWIZZLE, SWIZZLE)
+    pid_m = band * SWIZZLE + (pid % (SWIZZLE * tiles_n)) % band_rows
+    pid_n = (pid % (SWIZZLE * tiles_n)) // band_rows
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
-    b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]  # B^T's [BLOCK_K, BLOCK_N] tile
+    STEP: tl.constexpr = BLOCK_K if GROUP == 0 else GROUP
+    ks = tl.arange(0, STEP)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # not tl.zeros: see the module docstring
     for k0 in range(0, K, BLOCK_K):
-        k_in = ks < K - k0
-        a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_in[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_in[:, None] & (cols[None, :] < N), other=0.0)
-        if ROW_SUMS:  # exact products [BLOCK_M, BLOCK_N, BLOCK_K], K summed pairwise: same tree for every row
-            part = tl.permute(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], (0, 2, 1))
-            tl.static_assert(BLOCK_K == 128, "ROW_SUMS halves K = 128 seven times")
-            for width in (64, 32, 16, 8, 4, 2, 1):
-                pairs = tl.split(tl.reshape(part, (BLOCK_M, BLOCK_N, width, 2)))
-                part = pairs[0] + pairs[1]
-            part = tl.reshape(part, (BLOCK_M, BLOCK_N))
-        if BLOCK_SCALED:
-            a_scale = tl.load(a_scale_ptr + rows * stride_asm + k0 // BLOCK_K, mask=rows < M, other=0.0)
-            if B_ROW_SCALED:
-                b_scale = tl.load(b_scale_ptr + cols * stride_bsn + k0 // BLOCK_K, mask=cols < N, other=0.0)
+        for j in tl.static_range(BLOCK_K // STEP):
+            kk = k0 + j * STEP + ks
+            a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :],
+                        mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + cols[None, :] * stride_bn + kk[:, None],  # B^T's [STEP, BLOCK_N] tile
+                        mask=(kk[:, None] < K) & (cols[None, :] < N), other=0.0)
+            if GROUP == 0:
+                acc = _block_dot(a, b, acc, ROW_SUMS, PROMOTE)
             else:
-                b_scale = tl.load(b_scale_ptr + pid_n * stride_bsn + k0 // BLOCK_K)
-            if not ROW_SUMS:  # the per-tensor path below accumulates inside tl.dot instead
-                part = tl.dot(a, b, max_num_imprecise_acc=0)
-            if B_ROW_SCALED:
+                # a sub-step past K (K < BLOCK_K apart) reads zero codes: its scales' index is
+                # clamped to the last group, whose product with the zero sum adds nothing
+                g = tl.minimum((k0 + j * STEP) // GROUP, (K - 1) // GROUP)
+                a_scale = tl.load(sa_ptr + rows * stride_sam + g, mask=rows < M, other=0.0)
+                b_scale = tl.load(sb_ptr + (cols // SB_ROWS) * stride_sbn + g, mask=cols < N, other=0.0)
+                part = _block_dot(a, b, tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), ROW_SUMS, PROMOTE)
                 acc += part * a_scale[:, None] * b_scale[None, :]
-            else:
-                acc += part * a_scale[:, None] * b_scale
-        elif ROW_SUMS:
-            acc += part
-        else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=0)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if not BLOCK_SCALED:
-        acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc,
+    if GROUP == 0:
+        acc = acc * tl.load(sa_ptr) * tl.load(sb_ptr)
+    if OUT_BF16:  # round to nearest even in integer arithmetic (same bits on CPU and GPU), then an exact cast
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        acc = tl.where(acc == acc, bits.to(tl.float32, bitcast=True), acc)  # NaN stays NaN
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @functools.cache
 def _wrapped(interpret: bool):
     """The kernel wrapped by `triton.jit` while `knobs.runtime.interpret == interpret` (the flag
-    is the cache key: triton picks interpreter or compiler at wrapping time). M is not
-    specialized: triton would otherwise compile M == 1 and M % 16 == 0 as other variants, and one
-    compiled kernel for every batch size is the point."""
-    return triton.jit(_fp8_gemm_nt_kernel, do_not_specialize=["M"])
+    is the cache key: triton picks interpreter or compiler at wrapping time), calling a
+    `_block_dot` wrapped in the same mode: the kernel is a copy of `_fp8_gemm_nt_kernel` (same
+    code, so the same source for triton) over a copy of this module's globals in which
+    `_block_dot` names that wrapper. M is not specialized: triton would otherwise compile M == 1
+    and M % 16 == 0 as other variants, and one compiled kernel for every batch size is the point."""
+    scope = dict(globals())
+    scope["_block_dot"] = triton.jit(_block_dot)
+    fn = _fp8_gemm_nt_kernel
+    kernel = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    kernel.__doc__, kernel.__qualname__, kernel.__module__ = fn.__doc__, fn.__qualname__, fn.__module__
+    return triton.jit(kernel, do_not_specialize=["M"])
 
 
 def _kernel(device: torch.device):
@@ -150,41 +193,55 @@ def _check_scale(name: str, scale: torch.Tensor, want: tuple, operands: str, dev
                          f"{'' if scale.is_contiguous() else ', not contiguous'}")
 
 
-def _check_scales(a, b, a_scale_inv, b_scale_inv, block_scaled: bool, b_row_scaled: bool) -> None:
+def _check_scales(a, b, sa, sb, group: int | None, b_rows: bool) -> None:
     (m, k), n = a.shape, b.shape[0]
     operands = f"a {tuple(a.shape)}, b {tuple(b.shape)}"
     check = functools.partial(_check_scale, device=a.device)
-    if not block_scaled:
-        check("a_scale_inv", a_scale_inv, (), operands + " with per-tensor scales")
-        check("b_scale_inv", b_scale_inv, (), operands + " with per-tensor scales")
+    if group is None:
+        if b_rows:
+            raise ValueError("triton_invariant FP8 GEMM: b_rows (1xG groups for b) needs group=G")
+        check("sa", sa, (), operands + " with per-tensor scales")
+        check("sb", sb, (), operands + " with per-tensor scales")
         return
-    if k % GROUP:
-        raise ValueError(f"triton_invariant FP8 GEMM: block scales need K a multiple of {GROUP}; found {operands}")
-    check("a_scale_inv", a_scale_inv, (m, k // GROUP), operands + f" with 1x{GROUP} group scales")
-    if b_row_scaled:
-        check("b_scale_inv", b_scale_inv, (n, k // GROUP), operands + f" with 1x{GROUP} group scales")
+    if group not in GROUPS:
+        raise ValueError(f"triton_invariant FP8 GEMM: group {group} for {operands}; the kernel has groups {GROUPS}")
+    groups = math.ceil(k / group)
+    check("sa", sa, (m, groups), operands + f" with 1x{group} group scales")
+    if b_rows:
+        check("sb", sb, (n, groups), operands + f" with 1x{group} group scales")
     else:
-        check("b_scale_inv", b_scale_inv, (math.ceil(n / GROUP), k // GROUP),
-              operands + f" with {GROUP}x{GROUP} block scales")
+        check("sb", sb, (math.ceil(n / group), groups), operands + f" with {group}x{group} block scales")
 
 
-def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
-                         b_scale_inv: torch.Tensor, block_scaled: bool = False,
-                         b_row_scaled: bool = False) -> torch.Tensor:
-    """y [M, N] fp32 = a [M, K] @ b [N, K]^T dequantized by the scales (module docstring):
-    per tensor (0-d scale_invs), or with `block_scaled` 1x128 groups for a and 128x128 blocks
-    for b (`b_row_scaled`: 1x128 groups for b too). ValueError naming the shapes for anything
-    else; RuntimeError on CPU without TRITON_INTERPRET=1."""
-    if b_row_scaled and not block_scaled:
-        raise ValueError("triton_invariant FP8 GEMM: b_row_scaled needs block_scaled (1x128 groups for a)")
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it (on its device) when its data does not start on a 16-byte boundary:
+    triton compiles another variant of the kernel for unaligned pointers (other loads, possibly
+    other MMA instructions), so rows viewed at an odd offset in a batch could get other bits than
+    the same rows at its start."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                         group: int | None = None, b_rows: bool = False,
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y [M, N] (`out_dtype`: float32 or bfloat16) = a [M, K] @ b [N, K]^T dequantized by the
+    scales (module docstring): per tensor (0-d sa, sb), or with `group` G in GROUPS 1xG groups for
+    a and GxG blocks for b (`b_rows`: 1xG groups for b too). ValueError naming the shapes for
+    anything else; RuntimeError on CPU without TRITON_INTERPRET=1."""
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"triton_invariant FP8 GEMM: out_dtype {out_dtype}; the epilogue writes {OUT_DTYPES}")
     _check_operands(a, b)
-    _check_scales(a, b, a_scale_inv, b_scale_inv, block_scaled, b_row_scaled)
+    _check_scales(a, b, sa, sb, group, b_rows)
     kernel, interpret = _kernel(a.device)
+    a, b, sa, sb = (_aligned(t) for t in (a, b, sa, sb))
     (m, k), n = a.shape, b.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(m, TILE["BLOCK_M"]), triton.cdiv(n, TILE["BLOCK_N"]))
-    scale_strides = (a_scale_inv.stride(0), b_scale_inv.stride(0)) if block_scaled else (0, 0)
-    kernel[grid](a, b, y, a_scale_inv, b_scale_inv, m, n, k, a.stride(0), b.stride(0), y.stride(0),
-                 *scale_strides, BLOCK_SCALED=block_scaled, B_ROW_SCALED=b_row_scaled,
-                 ROW_SUMS=interpret, **TILE, **LAUNCH)
+    y = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return y
+    grid = (triton.cdiv(m, TILE["BLOCK_M"]) * triton.cdiv(n, TILE["BLOCK_N"]),)
+    scale_strides = (sa.stride(0), sb.stride(0)) if group is not None else (0, 0)
+    kernel[grid](a, b, y, sa, sb, m, n, k, a.stride(0), b.stride(0), y.stride(0), *scale_strides,
+                 GROUP=group or 0, SB_ROWS=1 if b_rows or group is None else group, ROW_SUMS=interpret,
+                 PROMOTE=min(PROMOTE_K, group or TILE["BLOCK_K"]), SWIZZLE=SWIZZLE_M,
+                 OUT_BF16=out_dtype == torch.bfloat16, **TILE, **LAUNCH)
     return y

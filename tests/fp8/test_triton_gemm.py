@@ -1,20 +1,27 @@
 """The 'triton_invariant' FP8 GEMM (fp8/triton_gemm.py) on CPU under Triton's interpreter: agreement
-with the 'exact' oracle and with dequantize + matmul within the fp32-accumulation bound, rows
-bit-identical whatever the batch around them, the FP8 linear running it, and bad input refused.
+with the 'exact' / float64 oracles within the fp32-accumulation bound, rows bit-identical whatever
+the batch around them (per tensor, 1x128 and 1x32 groups, 128x128 blocks, ragged K), the bf16
+epilogue, the GPU code path compiled for sm_90 (no GPU needed), fp8/linear.py's CUDA routing run on
+CPU tensors, and bad input and kernel-less recipe x GEMM combinations refused by name.
 
 The bound (u = 2**-24, fp32's unit roundoff; |A|, |B| the dequantized operands' magnitudes):
 products of FP8 values are exact in fp32, so the kernel's only errors are its fp32 additions
 and its scale multiplications. Summing n terms in any order errs by at most (n - 1) u sum|terms|
 to first order. Per tensor: (K - 1) u for the sum, 2 u for the two scales; the oracle rounds its
-exact sum once and multiplies twice, 3 u: |y - oracle| <= (K + 4) u (|A| @ |B|^T). Block: each
-128-group's sum (127 u), its two scales (2 u) and the sum over K/128 groups (K/128 u), against a
-float64 reference: (128 + 2 + K/128) u (|A| @ |B|^T). A 1 % allowance covers second-order terms.
+exact sum once and multiplies twice, 3 u: |y - oracle| <= (K + 4) u (|A| @ |B|^T). Groups of G:
+each group's sum ((G - 1) u), its two scales (2 u) and the sum over ceil(K/G) groups (ceil(K/G) u),
+against a float64 reference: (G + 2 + ceil(K/G)) u (|A| @ |B|^T). A 1 % allowance covers
+second-order terms.
 """
+import inspect
+import math
+
 import pytest
 import torch
 
+from megatron_fp8rl.fp8 import triton_gemm
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
-from megatron_fp8rl.fp8.linear import fp8_linear, fp8_matmul_nt, resolve_gemm
+from megatron_fp8rl.fp8.linear import _cuda_matmul_nt, check_recipe_gemm, fp8_linear, fp8_matmul_nt, resolve_gemm
 from megatron_fp8rl.fp8.quantize import (
     ACTIVATION_BLOCK,
     WEIGHT_BLOCK,
@@ -24,26 +31,42 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_per_tensor,
 )
 from megatron_fp8rl.fp8.quantizer import make_quantizers
-from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CurrentScaling, groupwise32
+from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CurrentScaling, groupwise, groupwise32, recipe_by_name
+from megatron_fp8rl.fp8.triton_gemm import triton_fp8_matmul_nt
 
 pytestmark = pytest.mark.triton
 
 U = 2.0**-24
 M, N, K = 70, 200, 384  # M crosses a 64-row tile, N a 128-column tile; K = 3 groups of 128
+SCHEMES = {  # name: (activation block, weight block) or None per tensor
+    "tensor": None,
+    "block128": (ACTIVATION_BLOCK, WEIGHT_BLOCK),
+    "group128": (ACTIVATION_BLOCK, ACTIVATION_BLOCK),
+    "group32": ((1, 32), (1, 32)),
+    "block32": ((1, 32), (32, 32)),
+}
 
 
-def _operands(scheme: str, m=M, n=N, k=K, seed=0):
+def _operands(scheme: str, m=M, n=N, k=K, seed=0, fmt_b=E4M3):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k)  # channels of unequal range
     w = torch.randn(n, k, generator=gen) * 0.05
-    if scheme == "tensor":
-        return quantize_per_tensor(x, E4M3), quantize_per_tensor(w, E4M3)
-    weight_block = WEIGHT_BLOCK if scheme == "block" else ACTIVATION_BLOCK  # "group": 1x128 weights
-    return quantize_blockwise(x, E4M3, ACTIVATION_BLOCK), quantize_blockwise(w, E4M3, weight_block)
+    if SCHEMES[scheme] is None:
+        return quantize_per_tensor(x, E4M3), quantize_per_tensor(w, fmt_b)
+    a_block, b_block = SCHEMES[scheme]
+    return quantize_blockwise(x, E4M3, a_block), quantize_blockwise(w, fmt_b, b_block)
 
 
 def _magnitude(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     return a.dequantize().double().abs() @ b.dequantize().double().abs().t()
+
+
+def _bound(scheme: str, a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+    k = a.data.shape[1]
+    if SCHEMES[scheme] is None:
+        return 1.01 * (k + 4) * U * _magnitude(a, b)
+    group = SCHEMES[scheme][0][1]
+    return 1.01 * (group + 2 + math.ceil(k / group)) * U * _magnitude(a, b)
 
 
 def _rows(t: Fp8Tensor, index) -> Fp8Tensor:
@@ -56,30 +79,80 @@ def test_per_tensor_agrees_with_exact_oracle_within_fp32_accumulation():
     a, b = _operands("tensor")
     y = fp8_matmul_nt(a, b, "triton_invariant")
     error = (y.double() - fp8_matmul_nt(a, b, "exact").double()).abs()
-    bound = 1.01 * (K + 4) * U * _magnitude(a, b)
+    bound = _bound("tensor", a, b)
     print(f"max |triton - exact| / bound: {(error / bound).max():.3f}")
     assert bool((error <= bound).all())
 
 
-@pytest.mark.parametrize("scheme", ["block", "group"])
-def test_block_scaled_agrees_with_dequantize_matmul_within_fp32_accumulation(scheme):
-    a, b = _operands(scheme)
+@pytest.mark.parametrize("k", [K, 300, 40])  # 40, 300: a ragged last group (and a K step past K)
+@pytest.mark.parametrize("scheme", ["block128", "group128", "group32", "block32"])
+def test_grouped_agrees_with_a_float64_oracle_within_fp32_accumulation(scheme, k):
+    a, b = _operands(scheme, k=k)
     y = fp8_matmul_nt(a, b, "triton_invariant")
     reference = a.dequantize().double() @ b.dequantize().double().t()
-    bound = 1.01 * (128 + 2 + K // 128) * U * _magnitude(a, b)
-    error = (y.double() - reference).abs()
-    print(f"max |triton - reference| / bound: {(error / bound).max():.3f}")
+    error, bound = (y.double() - reference).abs(), _bound(scheme, a, b)
+    print(f"{scheme} K={k}: max |triton - reference| / bound: {(error / bound).max():.3f}")
     assert bool((error <= bound).all())
 
 
-@pytest.mark.parametrize("scheme", ["tensor", "block", "group"])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_rows_are_bit_identical_whatever_the_batch(scheme):
-    a, b = _operands(scheme)
+    """Rows of M = 1..N (leading slices, single rows, a shuffled batch) equal those of M = 150."""
+    a, b = _operands(scheme, m=150, k=300)
     full = fp8_matmul_nt(a, b, "triton_invariant")
     gen = torch.Generator().manual_seed(1)
-    for index in (torch.tensor([37]), torch.tensor([5, 66, 0]), torch.arange(3, 67), torch.randperm(M, generator=gen)):
+    indices = [torch.arange(m) for m in (1, 2, 3, 17, 64, 65, 129)]
+    indices += [torch.tensor([137]), torch.tensor([5, 66, 0]), torch.randperm(150, generator=gen)]
+    for index in indices:
         alone = fp8_matmul_nt(_rows(a, index), b, "triton_invariant")
         assert torch.equal(alone, full[index]), f"rows {index.tolist()[:8]} (M={len(index)}) changed bits"
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "group32", "block128"])
+def test_bf16_epilogue_rounds_the_fp32_result_to_nearest_even(scheme):
+    a, b = _operands(scheme, k=300)
+    y32 = fp8_matmul_nt(a, b, "triton_invariant")
+    y16 = fp8_matmul_nt(a, b, "triton_invariant", out_dtype=torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16.view(torch.int16), y32.bfloat16().view(torch.int16))
+
+
+def test_e5m2_gradients_times_e4m3_operands():
+    """The backward's operand pair under 'hybrid' (E5M2 output gradient, E4M3 weight)."""
+    for scheme in ("tensor", "group128"):
+        a, b = _operands(scheme, fmt_b=E5M2)
+        y = triton_fp8_matmul_nt(b.data, a.data, b.scale_inv, a.scale_inv,
+                                 group=None if scheme == "tensor" else 128, b_rows=scheme != "tensor")
+        reference = b.dequantize().double() @ a.dequantize().double().t()
+        assert bool(((y.double() - reference).abs() <= _bound(scheme, b, a)).all())
+
+
+def test_one_kernel_body_the_interpreter_differs_in_block_dot_only():
+    """The kernel calls `_block_dot` for every tile product and has no `tl.dot` or interpreter
+    branch of its own; `_block_dot` is the only place that reads ROW_SUMS."""
+    kernel = inspect.getsource(triton_gemm._fp8_gemm_nt_kernel).split('"""')[2]
+    assert "tl.dot" not in kernel and "if ROW_SUMS" not in kernel and kernel.count("_block_dot(") == 2
+    assert "if ROW_SUMS" in inspect.getsource(triton_gemm._block_dot)
+
+
+@pytest.mark.parametrize("group,sb_rows,out", [(0, 1, "fp32"), (128, 128, "fp32"), (128, 1, "bf16"), (32, 1, "bf16")])
+def test_gpu_code_path_compiles_for_sm90_with_wgmma(monkeypatch, group, sb_rows, out):
+    """Triton compiles the kernel's GPU path (ROW_SUMS False: `tl.dot`) for an H100/H200 without a
+    GPU; its PTX uses Hopper's wgmma. The CPU tier's triton (3.9) is newer than the GPU machine's
+    (3.6): the kit (bench/gpu_smoke.py) is what runs it there."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    kernel = triton_gemm._wrapped(False)
+    signature = {name: "i32" for name in ("M", "N", "K", "stride_am", "stride_bn", "stride_ym", "stride_sam",
+                                          "stride_sbn")}
+    signature.update(a_ptr="*fp8e4nv", b_ptr="*fp8e5", y_ptr=f"*{out}", sa_ptr="*fp32", sb_ptr="*fp32")
+    constants = dict(GROUP=group, SB_ROWS=sb_rows, ROW_SUMS=False, PROMOTE=min(triton_gemm.PROMOTE_K, group or 128),
+                     SWIZZLE=triton_gemm.SWIZZLE_M, OUT_BF16=out == "bf16", **triton_gemm.TILE)
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    compiled = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                       options=dict(triton_gemm.LAUNCH))
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
 
 
 def test_fp8_linear_runs_it_forward_and_fp32_sums_backward():
@@ -99,16 +172,85 @@ def test_fp8_linear_runs_it_forward_and_fp32_sums_backward():
     assert torch.equal(dx_t, dx_f) and torch.equal(dw_t, dw_f)  # the backward is 'fp32_accumulate'
 
 
+def test_fp8_linear_runs_groupwise32_through_the_kernel():
+    x, weight = torch.randn(4, 200), torch.randn(64, 200)  # K 200: a ragged last 1x32 group
+    y = fp8_linear(x, weight, None, make_quantizers(groupwise32()), "triton_invariant")
+    torch.testing.assert_close(y, fp8_linear(x, weight, None, make_quantizers(groupwise32()), "exact"),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_routing_on_cpu_tensors():
+    """fp8/linear.py's CUDA routing (`_cuda_matmul_nt`, run here on CPU tensors): per tensor is
+    `_scaled_mm`, per row its row-wise scaling (a per-tensor partner broadcast), groups and blocks
+    the Triton kernel, under 'scaled_mm' as under 'triton_invariant'; the CPU GEMMs raise."""
+    a, b = _operands("tensor", k=128)
+    torch.testing.assert_close(_cuda_matmul_nt(a, b, "scaled_mm", torch.float32), fp8_matmul_nt(a, b, "scaled_mm"))
+    gen = torch.Generator().manual_seed(3)
+    rows = quantize_per_row(torch.randn(M, 128, generator=gen), E4M3)
+    b_rows = quantize_per_row(b.dequantize(), E4M3)
+    for left, right in ((rows, b), (rows, b_rows), (a, b_rows)):
+        y = _cuda_matmul_nt(left, right, "scaled_mm", torch.bfloat16)
+        reference = (left.dequantize().double() @ right.dequantize().double().t()).bfloat16()
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), reference.float(), rtol=2**-7, atol=1e-6)
+    for scheme in ("block128", "group32"):
+        a, b = _operands(scheme, k=300)
+        for gemm in ("scaled_mm", "triton_invariant"):
+            assert torch.equal(_cuda_matmul_nt(a, b, gemm, torch.float32), fp8_matmul_nt(a, b, "triton_invariant"))
+    for gemm in ("exact", "tiled", "fp32_accumulate", "auto"):
+        with pytest.raises(ValueError, match=rf"FP8 gemm '{gemm}' on cuda: not an FP8 kernel"):
+            _cuda_matmul_nt(a, b, gemm, torch.float32)
+
+
 def test_batch_invariant_gemm_is_triton_on_cuda_and_tiled_on_cpu():
     assert resolve_gemm("batch_invariant", torch.device("cuda")) == "triton_invariant"
     assert resolve_gemm("batch_invariant", torch.device("cpu")) == "tiled"
     assert resolve_gemm("auto", torch.device("cuda")) == "scaled_mm"
 
 
-def test_block_scales_need_k_a_multiple_of_128():
-    a, b = _operands("block", k=200)
-    with pytest.raises(ValueError, match=r"multiple of 128.*a \(70, 200\), b \(200, 200\)"):
-        fp8_matmul_nt(a, b, "triton_invariant")
+def test_check_recipe_gemm_on_cuda_refuses_cpu_gemms_and_blocks_without_a_kernel():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    recipes = [recipe_by_name(name) for name in ("calibrated", "tensorwise", "te_delayed", "blockwise", "groupwise",
+                                                 "groupwise32")]
+    for recipe in recipes:
+        for gemm in ("auto", "batch_invariant", "scaled_mm", "triton_invariant"):
+            check_recipe_gemm(recipe, gemm, cuda)
+        for gemm in ("exact", "tiled", "fp32_accumulate"):
+            with pytest.raises(ValueError, match=rf"FP8 gemm '{gemm}' is '{gemm}', a CPU GEMM.*no FP8 kernel"):
+                check_recipe_gemm(recipe, gemm, cuda)
+            check_recipe_gemm(recipe, gemm, cpu)
+    odd = BlockwiseScaling(activation_block=(1, 64), weight_block=(64, 64))
+    with pytest.raises(ValueError, match=r"activation \(1, 64\) x weight \(64, 64\) have no FP8 kernel"):
+        check_recipe_gemm(odd, "auto", cuda)
+    check_recipe_gemm(groupwise(group=64), "batch_invariant", cpu)  # 'tiled' takes any group
+
+
+def test_megatron_fp8_layer_refuses_a_cpu_gemm_where_cuda_is_present(monkeypatch):
+    """At layer build, not at the first forward: with CUDA present the CPU GEMMs have no FP8
+    kernel; every named recipe builds with auto and batch_invariant (groupwise32's 1x32 groups
+    included)."""
+    from megatron_fp8rl.models.megatron_fp8_linear import _Fp8LinearMixin
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"FP8 gemm 'exact' is 'exact', a CPU GEMM"):
+        _Fp8LinearMixin()._init_fp8(groupwise32(), "exact")
+    for recipe in (groupwise32(), groupwise(), BlockwiseScaling(), recipe_by_name("calibrated")):
+        for gemm in ("auto", "batch_invariant"):
+            _Fp8LinearMixin()._init_fp8(recipe, gemm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _Fp8LinearMixin()._init_fp8(groupwise32(), "exact")
+
+
+def test_block_scales_of_the_wrong_shape_are_refused():
+    a, b = _operands("block128")
+    with pytest.raises(ValueError, match=r"sa must .* shape \(70, 3\).*found torch.float32 \(70, 4\)"):
+        fp8_matmul_nt(Fp8Tensor(a.data, torch.ones(70, 4), "block", ACTIVATION_BLOCK), b, "triton_invariant")
+
+
+def test_group_scales_of_the_wrong_shape_are_refused():
+    a, b = _operands("group128")
+    with pytest.raises(ValueError, match=r"sb must .* \(200, 3\).*1x128 group scales.*found torch.float32 \(2, 3\)"):
+        fp8_matmul_nt(a, Fp8Tensor(b.data, torch.ones(2, 3), "block", ACTIVATION_BLOCK), "triton_invariant")
 
 
 def test_non_contiguous_operands_are_refused():
@@ -121,20 +263,18 @@ def test_non_contiguous_operands_are_refused():
 @pytest.mark.parametrize("scale_inv", [torch.ones(1), torch.ones((), dtype=torch.float64)])
 def test_per_tensor_scales_of_the_wrong_shape_or_dtype_are_refused(scale_inv):
     a, b = _operands("tensor")
-    with pytest.raises(ValueError, match=r"b_scale_inv must be a contiguous float32 tensor of shape \(\)"):
+    with pytest.raises(ValueError, match=r"sb must be a contiguous float32 tensor of shape \(\)"):
         fp8_matmul_nt(a, Fp8Tensor(b.data, scale_inv, "tensor"), "triton_invariant")
 
 
-def test_block_scales_of_the_wrong_shape_are_refused():
-    a, b = _operands("block")
-    with pytest.raises(ValueError, match=r"a_scale_inv .* shape \(70, 3\).*found torch.float32 \(70, 4\)"):
-        fp8_matmul_nt(Fp8Tensor(a.data, torch.ones(70, 4), "block", ACTIVATION_BLOCK), b, "triton_invariant")
-
-
-def test_group_scales_of_the_wrong_shape_are_refused():
-    a, b = _operands("group")
-    with pytest.raises(ValueError, match=r"b_scale_inv .* shape \(200, 3\).*1x128 group scales.*found torch.float32 \(2, 3\)"):
-        fp8_matmul_nt(a, Fp8Tensor(b.data, torch.ones(2, 3), "block", ACTIVATION_BLOCK), "triton_invariant")
+def test_bad_arguments_are_refused_by_name():
+    a, b = _operands("group128")
+    with pytest.raises(ValueError, match=r"group 64 .* the kernel has groups \(32, 128\)"):
+        triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, group=64)
+    with pytest.raises(ValueError, match="b_rows .* needs group=G"):
+        triton_fp8_matmul_nt(a.data, b.data, torch.ones(()), torch.ones(()), b_rows=True)
+    with pytest.raises(ValueError, match=r"out_dtype torch.float16"):
+        triton_fp8_matmul_nt(a.data, b.data, a.scale_inv, b.scale_inv, group=128, b_rows=True, out_dtype=torch.float16)
 
 
 def test_layouts_without_a_kernel_are_refused():
@@ -143,22 +283,9 @@ def test_layouts_without_a_kernel_are_refused():
         fp8_matmul_nt(quantize_per_row(x, E4M3), quantize_per_tensor(torch.randn(16, 128), E4M3), "triton_invariant")
     with pytest.raises(ValueError, match="float8_e4m3fn/e5m2"):
         fp8_matmul_nt(Fp8Tensor(x, torch.ones(()), "tensor"), quantize_per_tensor(x, E5M2), "triton_invariant")
-
-
-def test_fp8_linear_with_the_invariant_gemm_refuses_a_ragged_block_k():
-    x, weight = torch.randn(4, 200), torch.randn(64, 200)
-    with pytest.raises(ValueError, match=r"multiple of 128.*a \(4, 200\), b \(64, 200\)"):
-        fp8_linear(x, weight, None, make_quantizers(BlockwiseScaling()), "triton_invariant")
-    y = fp8_linear(x, weight, None, make_quantizers(CurrentScaling()), "triton_invariant")  # per tensor: any K
-    assert y.shape == (4, 64)
-
-
-def test_groupwise32_is_refused_by_name_not_run_another_way():
-    """The kernel sums 1x128 groups only: groupwise32's 1x32 operands raise naming their blocks
-    (a fallback GEMM would silently lose batch invariance on the GPU)."""
-    x, weight = torch.randn(4, 256), torch.randn(64, 256)
-    with pytest.raises(ValueError, match=r"operands block \(1, 32\) x block \(1, 32\).*are not supported"):
-        fp8_linear(x, weight, None, make_quantizers(groupwise32()), "triton_invariant")
+    a = quantize_blockwise(x, E4M3, (1, 64))
+    with pytest.raises(ValueError, match=r"block \(1, 64\) x block \(1, 64\).*G in \(32, 128\)"):
+        fp8_matmul_nt(a, quantize_blockwise(torch.randn(16, 128), E4M3, (1, 64)), "triton_invariant")
 
 
 @pytest.mark.triton  # marked, then the interpreter switched off again inside
@@ -169,17 +296,13 @@ def test_cpu_tensors_without_the_interpreter_raise_naming_the_reason(monkeypatch
         fp8_matmul_nt(a, b, "triton_invariant")
 
 
-def test_megatron_fp8_layer_refuses_groupwise32_where_batch_invariant_is_the_kernel(monkeypatch):
-    """At layer build, not at the first forward: with CUDA present 'batch_invariant' is the Triton
-    kernel, which has no 1x32 groups; groupwise (1x128), blockwise and per-tensor recipes build."""
-    from megatron_fp8rl.fp8.recipe import groupwise, recipe_by_name
-    from megatron_fp8rl.models.megatron_fp8_linear import _Fp8LinearMixin
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ValueError, match=r"'batch_invariant' on cuda is the Triton kernel.*\[\(1, 32\)\].*groupwise32"):
-        _Fp8LinearMixin()._init_fp8(groupwise32(), "batch_invariant")
-    for recipe in (groupwise(), BlockwiseScaling(), recipe_by_name("calibrated")):
-        _Fp8LinearMixin()._init_fp8(recipe, "batch_invariant")
-    _Fp8LinearMixin()._init_fp8(groupwise32(), "auto")  # scaled_mm / dequantized on CUDA: no kernel
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _Fp8LinearMixin()._init_fp8(groupwise32(), "batch_invariant")  # 'tiled' on the CPU
+def test_rows_viewed_at_an_unaligned_offset_get_the_same_bits():
+    """A contiguous view starting mid-batch (row 3 of a 300-column FP8 matrix: 900 bytes in, not
+    16-byte aligned) is copied to an aligned start, so triton runs the same compiled variant."""
+    a, b = _operands("group32", m=40, k=300)
+    full = fp8_matmul_nt(a, b, "triton_invariant")
+    view = Fp8Tensor(a.data[3:], a.scale_inv[3:], "block", a.block)
+    assert view.data.data_ptr() % 16 != 0 and view.data.is_contiguous()
+    aligned = triton_gemm._aligned(view.data)  # what the kernel is handed
+    assert aligned.data_ptr() % 16 == 0 and torch.equal(aligned.view(torch.uint8), view.data.view(torch.uint8))
+    assert torch.equal(fp8_matmul_nt(view, b, "triton_invariant"), full[3:])
