@@ -138,9 +138,6 @@ def check_recipe_gemm(recipe: Fp8Recipe, gemm: str, device: torch.device) -> Non
     resolved = resolve_gemm(gemm, device)
     if device.type != "cuda":
         return
-    from megatron_fp8rl.fp8.device_quantize import check_device_recipe
-
-    check_device_recipe(recipe)
     if resolved in CPU_GEMMS:
         raise ValueError(f"FP8 gemm {gemm!r} is {resolved!r}, a CPU GEMM (fp32 or fp64 sums of the dequantized "
                          f"codes): on cuda it has no FP8 kernel; use 'auto' / 'scaled_mm' (cuBLAS, Triton for "
@@ -152,6 +149,9 @@ def check_recipe_gemm(recipe: Fp8Recipe, gemm: str, device: torch.device) -> Non
             raise ValueError(f"FP8 gemm {gemm!r} on cuda: the recipe's blocks activation {recipe.activation_block} x "
                              f"weight {recipe.weight_block} have no FP8 kernel; the Triton kernel takes (1, G) "
                              f"activations with (G, G) or (1, G) weights, G in {GROUPS}")
+    from megatron_fp8rl.fp8.device_quantize import check_device_recipe
+
+    check_device_recipe(recipe)
 
 
 def _triton_blocks(a_block: tuple[int, int], b_block: tuple[int, int], groups: tuple[int, ...]) -> bool:
