@@ -111,8 +111,8 @@ class MegatronActor:
         self.rollout_fp8 = rollout_fp8
         self.publisher = WeightPublisher(self.model, self.hf_config, model_cfg.fp8, rollout_fp8)
         """Where the weights go out: the rollout snapshot, the served FP8 scales (weight_publisher.py)."""
-        self.calibrator = ClipCalibrator(objective.algo) if objective.algo.clip_calibration != "none" else None
-        """Calibrated Clipping's state (algorithm.clip_calibration=shadow, or monitor: measured, not
+        self.calibrator = ClipCalibrator(objective.algo) if objective.algo.calibration.mode != "none" else None
+        """Calibrated Clipping's state (algorithm.calibration.mode=shadow, or monitor: measured, not
         applied); None otherwise."""
 
     @staticmethod

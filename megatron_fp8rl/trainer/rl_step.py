@@ -191,7 +191,7 @@ def _recompute_needed(cfg: RunConfig) -> bool:
     algo = cfg.algorithm
     if algo.old_policy == "bypass":
         return False
-    return cfg.train.mini_batches > 1 or algo.clip_calibration != "none" or algo.noise_correction
+    return cfg.train.mini_batches > 1 or algo.calibration.mode != "none" or algo.noise.correction
 
 
 def _colocated_engine(ctx: StepContext) -> bool:
