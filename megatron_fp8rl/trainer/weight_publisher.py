@@ -53,6 +53,14 @@ def assembly_device(weights: torch.device, backend: str) -> torch.device:
                      "CPU weights on gloo")
 
 
+def _on(named: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with every tensor on `device`: the fp32 scalar scales the FP8 conversion makes on
+    the CPU (served scales, static input scales: 4 bytes each) join the weights on their GPU, so a
+    bucket is one device's; a tensor already there is passed as is (the CPU tier: no copy)."""
+    for name, tensor in named:
+        yield name, tensor.to(device)
+
+
 @dataclass(frozen=True)
 class _GatherPlan:
     """What `WeightPublisher.hf_tensors_in_memory` gathers: this rank's pieces, every rank's
@@ -113,7 +121,7 @@ class WeightPublisher:
         convert = partial(rollout_tensors, num_layers=int(self.hf_config["num_hidden_layers"]),
                           rollout_fp8=self.rollout_fp8, scales=self._served, trainer_fp8=self.trainer_fp8,
                           input_bounds=input_bounds)
-        tensors = convert(self._gathered(plan))
+        tensors = _on(convert(self._gathered(plan)), self.device())
         if dist.get_rank() == 0:
             # the same conversion on meta tensors: the layout, known before any tensor is made
             layout = [(name, tuple(t.shape), t.dtype) for name, t in convert(self._layout(plan))]
