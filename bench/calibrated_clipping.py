@@ -4,7 +4,7 @@ and after calibration, and what a calibration step costs.
 For each FP8 trainer recipe (calibrated, with aligned FP8 rollouts; tensorwise, with blockwise FP8
 rollouts), two `megatron-fp8rl train` runs with the same seed, prompts and sizes (plain GRPO, 2
 mini-batches per step, so the second mini-batch's ratio carries the training forward's FP8 noise):
-`algorithm.clip_calibration=none` and `=shadow` with a calibration every step. Step 1 trains with
+`algorithm.calibration.mode=none` and `=shadow` with a calibration every step. Step 1 trains with
 the same bounds in both (a calibration's bounds apply from the next step), so its train-phase time
 is a like-for-like cost of the two shadow forwards. Prints, per recipe:
 - the diagnostic on each calibration (share of negative-advantage tokens clipped by the FP8 ratio
@@ -31,7 +31,7 @@ from megatron_fp8rl.report.study import _model_path, run_setting  # noqa: E402
 
 RECIPES = {"calibrated": ["model.fp8=calibrated", "rollout.fp8=aligned"],
            "tensorwise": ["model.fp8=tensorwise", "rollout.fp8=blockwise"]}
-COMMON = ["algorithm.name=grpo", "algorithm.clip_high=0.2", "algorithm.correction=tis",
+COMMON = ["algorithm.name=grpo", "algorithm.clip.high=0.2", "algorithm.correction=tis",
           "data.arithmetic_ops=[mul,mul2]", "data.train_size=1000", "data.prompts_per_step=4", "rollout.n_samples=8",
           "rollout.max_new_tokens=24", "train.mini_batches=2", "train.micro_batch_size=8",
           "train.lr=1e-5", "train.eval_every=0", "algorithm.max_sampling_rounds=2"]
@@ -71,8 +71,8 @@ def main() -> None:
     rows = []
     for recipe in args.recipes.split(","):
         plain = _run(f"{recipe}_plain", RECIPES[recipe], args.out, model, args.steps)
-        shadow = _run(f"{recipe}_shadow", [*RECIPES[recipe], "algorithm.clip_calibration=shadow",
-                                           "algorithm.clip_calibration_every=1"], args.out, model, args.steps)
+        shadow = _run(f"{recipe}_shadow", [*RECIPES[recipe], "algorithm.calibration.mode=shadow",
+                                           "algorithm.calibration.every=1"], args.out, model, args.steps)
         train_ratio = shadow["time/train_s"][0] / plain["time/train_s"][0]
         step_ratio = _step_time(shadow, 0) / _step_time(plain, 0)
         rows.append((recipe, shadow.get("clip/neg_overclip_before", []), shadow.get("clip/neg_overclip_after", []),

@@ -52,7 +52,7 @@ def _config(args, model: Path, run_dir: Path, extra: list[str]):
     from megatron_fp8rl.trainer.config import RunConfig
 
     overrides = [f"model.hf_path={model}", f"run_dir={run_dir}", "model.dtype=float32",
-                 "rollout.dtype=float32", "algorithm.name=grpo", "algorithm.clip_high=0.2",
+                 "rollout.dtype=float32", "algorithm.name=grpo", "algorithm.clip.high=0.2",
                  "algorithm.dynamic_sampling=false", "data.arithmetic_ops=[mul,mul2]", "data.train_size=1000",
                  f"data.prompts_per_step={args.prompts}", f"rollout.n_samples={args.samples}",
                  f"rollout.max_new_tokens={args.new_tokens}", "train.mini_batches=1",

@@ -10,7 +10,7 @@ megatron_fp8rl/report/study.py (so the installed CLI has it too).
     python bench/stability.py --report-only                     # the report of the finished runs
 
 Arms: bf16 (reference), bf16_fp8block_tis, tensorwise / blockwise / aligned (unified FP8, the
-diagnostic measured by clip_calibration=monitor), the same with Calibrated Clipping (_cc), and
+diagnostic measured by algorithm.calibration.mode=monitor), the same with Calibrated Clipping (_cc), and
 tensorwise_noise (noise-aware clipping). Output: <study-dir>/<arm>/seed<k>/ (a run directory each,
 train.log), <study-dir>/timings.json, <study-dir>/report/report.md with curves.png and
 accuracy.png, and <study-dir>/report/runs/ (per-run plots of each arm's first seed). A run that

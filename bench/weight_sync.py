@@ -84,7 +84,7 @@ copies dominates (above).
 On a GPU, a CUDA snapshot's buckets stay on the device (`transfer_device`: one device-to-device
 copy, a CUDA IPC handle, SGLang's copy out). That path is written, and is item 5 of the GPU smoke
 kit, but it has not run on a GPU; and the actor gathers its snapshot into host memory, on a GPU
-too (`MegatronActor.hf_tensors_in_memory`), so training does not take it yet.
+too (`WeightPublisher.hf_tensors_in_memory`), so training does not take it yet.
 
 Derived for the real models (shapes from their config.json; bf16 trainer; FP8 = per_tensor or
 aligned sync: linears E4M3, embeddings and lm_head bf16; bucket 512 MiB = 0.54 GB), using the

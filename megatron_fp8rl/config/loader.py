@@ -5,7 +5,9 @@ Owns: `load_config`, `save_config`, `defaults`, `ConfigError`. Must not import: 
 Precedence: dataclass defaults < YAML file < overrides (`key.sub=value`, later wins). Unknown keys
 and wrong types raise `ConfigError` naming the full dotted key, with the closest valid key
 suggested; a ValueError from a dataclass's `__post_init__` (a value check) is reported as raised:
-each section's checks name their own dotted keys.
+each section's checks name their own dotted keys. A schema may declare `renamed_keys` (a ClassVar:
+old dotted key -> new one, e.g. config/renamed.py); an old key in the YAML file or an override is
+refused with one line naming its new key.
 """
 from __future__ import annotations
 
@@ -63,6 +65,23 @@ def _explain(exc: OmegaConfBaseException, schema: type, source: str) -> ConfigEr
     return ConfigError(f"{source}: {key!r}: {str(exc).splitlines()[0]}")
 
 
+def _dotted_keys(node: Any, prefix: str = "") -> Iterable[str]:
+    """Every dotted key of a nested mapping (a YAML file's), sections included."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            full = f"{prefix}{key}"
+            yield full
+            yield from _dotted_keys(value, full + ".")
+
+
+def _check_renamed(keys: Iterable[str], schema: type, source: str) -> None:
+    """ConfigError for the first of `keys` that `schema.renamed_keys` lists as renamed."""
+    renamed = getattr(schema, "renamed_keys", {})
+    for key in keys:
+        if key in renamed:
+            raise ConfigError(f"{source}: {key!r} was renamed: use {renamed[key]!r}")
+
+
 def load_config(schema: type[T], yaml_path: str | Path | None = None,
                 overrides: Iterable[str] = ()) -> T:
     """Build a `schema` instance from its defaults, a YAML file and `key=value` overrides."""
@@ -73,13 +92,16 @@ def load_config(schema: type[T], yaml_path: str | Path | None = None,
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
+            _check_renamed(_dotted_keys(OmegaConf.to_container(loaded)), schema, str(path))
+            merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, str(path)) from None
     overrides = list(overrides)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
+    _check_renamed((item.partition("=")[0] for item in overrides), schema, "override")
     try:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         return OmegaConf.to_object(merged)

@@ -1,7 +1,7 @@
 """A training run as the report sees it: tensorboard scalar series and the precision settings.
 
 Owns: `RunLogs`, `Series`, `load_run` and the naming of per-layer FP8 tags
-(`fp8/<module>.<role>/<stat>`, written by trainer/actor.py fp8_metrics).
+(`fp8/<module>.<role>/<stat>`, written by trainer/fp8_observation.py fp8_metrics).
 Must not import: trainer code (it reads files; the tag names are the interface).
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ LINE_FIGURES = {
                          (Panel("noise/clip_noise_only_frac", "noise only (clipped on π_θ/π_rollout only)"),
                           Panel("noise/clip_policy_only_frac", "policy only (clipped on π_θ/π_old only)"),
                           Panel("noise/clip_both_frac", "both"))),
-    "calibrated_clipping": ("Calibrated Clipping (algorithm.clip_calibration=shadow): bounds and diagnostic",
+    "calibrated_clipping": ("Calibrated Clipping (algorithm.calibration.mode=shadow): bounds and diagnostic",
                             (Panel("clip/low", "lower bound L in force"),
                              Panel("clip/high", "upper bound H in force"),
                              Panel("clip/alpha", "α: shadow's clip share of A<0 tokens"),

@@ -12,7 +12,7 @@ logprobs both FP8: tensorwise per-tensor current scaling, 128x128 blockwise, our
 with aligned rollouts), each plain and with Calibrated Clipping (`_cc`), and our noise-aware
 clipping (old_policy=bypass: the clip interval widened by the measured train/rollout noise) on
 tensorwise, the arm the paper finds worst. Every arm runs the shadow forwards every step: the
-plain arms with clip_calibration=monitor (measured, bounds unchanged), the `_cc` arms with shadow
+plain arms with calibration.mode=monitor (measured, bounds unchanged), the `_cc` arms with shadow
 (applied), so the paper's diagnostic comes from every arm; the bf16 arms' shadow is their float32
 forward (models/shadow.py), so their diagnostic is what bf16 itself over-clips. The FP8 arms keep
 float32 outside the FP8 GEMMs (model.dtype): aligned rollouts are bit-identical only there
@@ -33,6 +33,8 @@ from pathlib import Path
 
 import psutil
 
+from megatron_fp8rl.config.renamed import OLD_KEYS
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,8 +49,8 @@ class Setting:
 
 
 BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16")
-MONITOR = ("algorithm.clip_calibration=monitor", "algorithm.clip_calibration_every=1")
-CALIBRATED = ("algorithm.clip_calibration=shadow", "algorithm.clip_calibration_every=1")
+MONITOR = ("algorithm.calibration.mode=monitor", "algorithm.calibration.every=1")
+CALIBRATED = ("algorithm.calibration.mode=shadow", "algorithm.calibration.every=1")
 UNIFIED = {"tensorwise": ("model.fp8=tensorwise", "rollout.fp8=per_tensor"),
            "blockwise": ("model.fp8=blockwise", "rollout.fp8=blockwise"),
            "aligned": ("model.fp8=calibrated", "rollout.fp8=aligned")}
@@ -192,15 +194,23 @@ def config_differences(run_dir: Path, overrides: list[str]) -> list[str]:
     out = []
     for item in overrides:
         key, _, text = item.partition("=")
-        found = saved
-        for part in key.split("."):
-            found = found.get(part, _MISSING) if isinstance(found, dict) else _MISSING
+        found = _saved_value(saved, key)
+        if found is _MISSING and key in OLD_KEYS:  # a run made before the key was renamed
+            found = _saved_value(saved, OLD_KEYS[key])
         if not _same_value(yaml.safe_load(text), found):
             out.append(f"{key}: run has {found!r}, the study sets {text}")
     return out
 
 
 _MISSING = object()
+
+
+def _saved_value(saved: dict, key: str):
+    """The value of dotted `key` in a loaded config.yaml, or _MISSING."""
+    found = saved
+    for part in key.split("."):
+        found = found.get(part, _MISSING) if isinstance(found, dict) else _MISSING
+    return found
 
 
 def _same_value(wanted, found) -> bool:

@@ -8,7 +8,7 @@ logs, config.yaml, eval_correct.json); must not import trainer code.
 Per run, from its tensorboard scalars (steps without a value skipped):
 - overclip   the paper's diagnostic, clip/neg_overclip_before: the share of negative-advantage
              tokens of the calibrated mini-batch that the arm's FP8 ratio clips and the
-             high-precision shadow's ratio does not (algorithm.clip_calibration=monitor or shadow;
+             high-precision shadow's ratio does not (algorithm.calibration.mode=monitor or shadow;
              runs without an FP8 trainer have no FP8 ratio: n/a, zero by construction)
 - overclip_pooled   the same over the run's A<0 values rather than its steps: sum over steps of
              the share x clip/neg_values (how many A<0 values the share is of) / their sum; a step

@@ -69,7 +69,7 @@ Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 class WeightSnapshot:
     """A weight update as a lazy stream of (HF name, tensor) with its `layout` known before any
-    tensor is made (`MegatronActor.weights_for_rollout` derives it from the gathered metadata by
+    tensor is made (`WeightPublisher.publish` derives it from the gathered metadata by
     running the same conversion on meta tensors). An engine checks the layout against the served
     checkpoint before it sends a byte and then sends the stream bucket by bucket as it comes
     (`validated_stream`), so a few buckets of it are alive at a time, not the whole model (34 GB

@@ -1,4 +1,4 @@
-"""Calibrated Clipping in the trainer (algorithm.clip_calibration=shadow): when a step calibrates,
+"""Calibrated Clipping in the trainer (algorithm.calibration.mode=shadow): when a step calibrates,
 on which rows, the clip bounds in force, and the calibration from the gathered logprobs.
 
 Owns: `ClipCalibrator`. The math is rl/calibrated_clipping.py. Must not import: cli, trainer.loop,
@@ -14,9 +14,9 @@ logprobs under old_policy=bypass). With one mini-batch θ_m* = θ_old: the shado
 and one shadow forward serves both. The bounds a calibration yields hold from the next step on
 (the calibrating step trains with the bounds in force) until the next calibration. Bounds before
 the first calibration are the configured ones, passed on as None so that the loss is bit-identical
-to clip_calibration=none.
+to calibration.mode=none.
 
-clip_calibration=monitor runs the same shadow forwards and reports the same diagnostic (the paper's
+calibration.mode=monitor runs the same shadow forwards and reports the same diagnostic (the paper's
 share of negative-advantage tokens the FP8 ratio clips and the shadow's does not, `clip/neg_overclip_
 before`) but keeps the configured bounds: the measurement of a plain-FP8 run (the stability study).
 """
@@ -43,11 +43,10 @@ class ClipCalibrator:
     """The Calibrated Clipping state of a run (the same on every rank)."""
 
     def __init__(self, algo: AlgorithmConfig):
-        self.every, self.level, self.smoothing = algo.clip_calibration_every, algo.ratio_level, algo.clip_calibration_smoothing
-        self.configured = ClipBounds.from_epsilons(algo.clip_low, algo.clip_high)
-        self.limits = ClipLimits(algo.clip_calibration_low_min, algo.clip_calibration_low_max,
-                                 algo.clip_calibration_high_min, algo.clip_calibration_high_max)
-        self.applies = algo.clip_calibration == "shadow"
+        self.every, self.level, self.smoothing = algo.calibration.every, algo.ratio_level, algo.calibration.smoothing
+        self.configured = ClipBounds.from_epsilons(algo.clip.low, algo.clip.high)
+        self.limits: ClipLimits = algo.calibration.limits
+        self.applies = algo.calibration.mode == "shadow"
         """Whether calibrations set the bounds (shadow) or are only reported (monitor)."""
         self.calibrated: ClipBounds | None = None
         """The bounds in force after the last successful calibration; None before the first."""

@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from megatron_fp8rl.config.renamed import RENAMED_KEYS
 from megatron_fp8rl.data.arithmetic import OPERATIONS
 from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.models.te_recipe import megatron_fp8_fields
+from megatron_fp8rl.rl.calibrated_clipping import ClipLimits
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
 from megatron_fp8rl.rollout.sglang_common import SGLANG_DTYPES, SGLangSettings
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
@@ -204,6 +207,87 @@ class RolloutConfig(SGLangSettings):
 
 
 @dataclass
+class ClipConfig:
+    """The PPO clip interval [1 − low, 1 + high] (before any calibration or noise widening)."""
+
+    low: float = 0.2
+    """PPO epsilon below 1."""
+    high: float = 0.28
+    """PPO epsilon above 1 (DAPO clip-higher; set 0.2 for plain GRPO)."""
+    dual: float = 0.0
+    """Dual-clip PPO constant c > 1: a negative-advantage token's loss is at most −A·c, so a ratio
+    far above 1 cannot push its update without bound (Ye et al. 2020); 0 turns it off."""
+
+    def __post_init__(self):
+        _check(self.low > 0 and self.high > 0, "algorithm.clip", "low and high must be > 0")
+        _check(self.low < 1, "algorithm.clip.low", f"must be < 1, got {self.low}")
+        _check(self.dual == 0 or (math.isfinite(self.dual) and self.dual > 1), "algorithm.clip.dual",
+               f"must be 0 (off) or a finite number > 1, got {self.dual}")
+
+
+@dataclass
+class CalibrationConfig:
+    """Calibrated Clipping (the paper's method, rl/calibrated_clipping.py)."""
+
+    mode: str = "none"
+    """One of CLIP_CALIBRATIONS: none (the plain interval [1 − clip.low, 1 + clip.high]) or shadow
+    (every `every` steps a high-precision shadow forward of the same batch sets the FP8 clip bounds:
+    L matches the shadow's share of clipped negative-advantage tokens, H its positive/negative
+    update balance), or monitor (the same shadow forwards and diagnostic, logged as clip/*, the
+    configured bounds kept: what plain FP8 clips that high precision would not). Needs an FP8
+    trainer (model.fp8; the shadow computes its linears in high precision) or a bf16 one
+    (model.dtype=bfloat16; the shadow is its float32 forward, models/shadow.py)."""
+    every: int = 20
+    """Steps between calibrations (the first step calibrates); the last bounds hold in between."""
+    level: str = "auto"
+    """token (GRPO/DAPO's per-token ratio) or sequence (GSPO's sequence ratio); auto follows
+    algorithm.name."""
+    smoothing: float = 0.5
+    """β in [0, 1): bounds ← β·previous calibrated bounds + (1 − β)·new ones (the first is taken as is)."""
+    limits: ClipLimits = field(default_factory=ClipLimits)
+    """Where calibrated bounds may go (rl/calibrated_clipping.py ClipLimits: low_min, low_max,
+    high_min, high_max, ratios, not epsilons)."""
+
+    def __post_init__(self):
+        _check(self.mode in CLIP_CALIBRATIONS, "algorithm.calibration.mode",
+               f"{self.mode!r} is not one of {CLIP_CALIBRATIONS}")
+        _check(self.level in CLIP_CALIBRATION_LEVELS, "algorithm.calibration.level",
+               f"{self.level!r} is not one of {CLIP_CALIBRATION_LEVELS}")
+        _check(self.every >= 1, "algorithm.calibration.every", f"must be >= 1, got {self.every}")
+        _check(0 <= self.smoothing < 1, "algorithm.calibration.smoothing", f"must be in [0, 1), got {self.smoothing}")
+
+
+@dataclass
+class NoiseConfig:
+    """Noise-calibrated thresholds: what the measured train/rollout noise Δ = log π_old − log
+    π_rollout widens (rl/noise.py), and which of its quantiles are logged."""
+
+    quantile: float = 0.9
+    """α in [0.5, 1): bypass widens each clip side by the α tail of Δ,
+    ε_high' = min(ε_high + (1+ε_high)·expm1(max(q_α(Δ), 0)), clip_high_max) (ε_low' alike)."""
+    log_quantiles: list[float] = field(default_factory=lambda: [0.01, 0.1, 0.5, 0.9, 0.99])
+    """Levels in (0, 1) of q(Δ) and q(|Δ|) logged every step as noise/delta_q<level>, noise/abs_delta_q<level>."""
+    clip_low_max: float = 0.5
+    """Upper limit of the widened ε_low' (>= clip.low, < 1): 1 − ε_low' >= 1 − clip_low_max."""
+    clip_high_max: float = 1.0
+    """Upper limit of the widened ε_high' (>= clip.high): 1 + ε_high' <= 1 + clip_high_max."""
+    correction: bool = False
+    """Noise-calibrated TIS cap C' = min(max(tis_cap, exp(q_α(Δ))), tis_cap_max) and MIS band
+    [max(min(mis_low, exp(q_{1−α}(Δ))), mis_low_min), min(max(mis_high, exp(q_α(Δ))), mis_high_max)]."""
+    tis_cap_max: float = 10.0
+    """Upper limit of the calibrated TIS cap (>= algorithm.tis_cap)."""
+    mis_low_min: float = 0.1
+    """Lower limit of the calibrated MIS lower bound (in [0, algorithm.mis_low])."""
+    mis_high_max: float = 10.0
+    """Upper limit of the calibrated MIS upper bound (>= algorithm.mis_high)."""
+
+    def __post_init__(self):
+        _check(0.5 <= self.quantile < 1, "algorithm.noise.quantile", f"must be in [0.5, 1), got {self.quantile}")
+        _check(len(self.log_quantiles) > 0 and all(0 < q < 1 for q in self.log_quantiles),
+               "algorithm.noise.log_quantiles", f"need levels in (0, 1), got {list(self.log_quantiles)}")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages, policy loss and train/rollout mismatch correction."""
 
@@ -211,10 +295,8 @@ class AlgorithmConfig:
     """grpo, dapo (clip-higher, dynamic sampling, token-mean, overlong shaping) or gspo."""
     advantage: str = "grpo"
     """grpo (group mean/std), grpo_no_std (Dr. GRPO), rloo (leave-one-out)."""
-    clip_low: float = 0.2
-    """PPO epsilon below 1."""
-    clip_high: float = 0.28
-    """PPO epsilon above 1 (DAPO clip-higher; set 0.2 for plain GRPO)."""
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    """The PPO clip interval (low, high) and dual clip."""
     agg_mode: str = "token-mean"
     """Loss aggregation (rl.losses.AGGREGATION_MODES)."""
     dynamic_sampling: bool = True
@@ -235,69 +317,22 @@ class AlgorithmConfig:
     """MIS upper ratio bound."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
-    dual_clip: float = 0.0
-    """Dual-clip PPO constant c > 1: a negative-advantage token's loss is at most −A·c, so a ratio
-    far above 1 cannot push its update without bound (Ye et al. 2020); 0 turns it off."""
     old_policy: str = "decoupled"
     """π_old of the PPO ratio (one of OLD_POLICIES). decoupled: r = π_θ/π_old with the trainer's
     recomputed old logprobs; the rollout mismatch is handled only by `correction`. bypass: r =
-    π_θ/π_rollout (no recompute forward) in the interval widened by the noise (rl.noise.widened_clip);
-    needs correction=none (r already carries the mismatch)."""
-    noise_quantile: float = 0.9
-    """α in [0.5, 1): bypass widens each clip side by the α tail of Δ = log π_old − log π_rollout,
-    ε_high' = min(ε_high + (1+ε_high)·expm1(max(q_α(Δ), 0)), noise_clip_high_max) (ε_low' alike)."""
-    noise_log_quantiles: list[float] = field(default_factory=lambda: [0.01, 0.1, 0.5, 0.9, 0.99])
-    """Levels in (0, 1) of q(Δ) and q(|Δ|) logged every step as noise/delta_q<level>, noise/abs_delta_q<level>."""
-    noise_clip_low_max: float = 0.5
-    """Upper limit of the widened ε_low' (>= clip_low, < 1): 1 − ε_low' >= 1 − noise_clip_low_max."""
-    noise_clip_high_max: float = 1.0
-    """Upper limit of the widened ε_high' (>= clip_high): 1 + ε_high' <= 1 + noise_clip_high_max."""
-    noise_correction: bool = False
-    """Noise-calibrated TIS cap C' = min(max(tis_cap, exp(q_α(Δ))), noise_tis_cap_max) and MIS band
-    [max(min(mis_low, exp(q_{1−α}(Δ))), noise_mis_low_min), min(max(mis_high, exp(q_α(Δ))), noise_mis_high_max)]."""
-    noise_tis_cap_max: float = 10.0
-    """Upper limit of the calibrated TIS cap (>= tis_cap)."""
-    noise_mis_low_min: float = 0.1
-    """Lower limit of the calibrated MIS lower bound (in [0, mis_low])."""
-    noise_mis_high_max: float = 10.0
-    """Upper limit of the calibrated MIS upper bound (>= mis_high)."""
-    clip_calibration: str = "none"
-    """Calibrated Clipping (the paper's method, rl/calibrated_clipping.py; one of CLIP_CALIBRATIONS):
-    none (the plain interval [1 − clip_low, 1 + clip_high]) or shadow (every clip_calibration_every
-    steps a high-precision shadow forward of the same batch sets the FP8 clip bounds: L matches the
-    shadow's share of clipped negative-advantage tokens, H its positive/negative update balance),
-    or monitor (the same shadow forwards and diagnostic, logged as clip/*, the configured bounds
-    kept: what plain FP8 clips that high precision would not). Needs an FP8 trainer (model.fp8;
-    the shadow computes its linears in high precision) or a bf16 one (model.dtype=bfloat16; the
-    shadow is its float32 forward, models/shadow.py)."""
-    clip_calibration_every: int = 20
-    """Steps between calibrations (the first step calibrates); the last bounds hold in between."""
-    clip_calibration_level: str = "auto"
-    """token (GRPO/DAPO's per-token ratio) or sequence (GSPO's sequence ratio); auto follows
-    algorithm.name."""
-    clip_calibration_smoothing: float = 0.5
-    """β in [0, 1): bounds ← β·previous calibrated bounds + (1 − β)·new ones (the first is taken as is)."""
-    clip_calibration_low_min: float = 0.5
-    """Lowest calibrated lower bound L (a ratio, not an epsilon)."""
-    clip_calibration_low_max: float = 0.95
-    """Highest calibrated lower bound L (<= 1)."""
-    clip_calibration_high_min: float = 1.05
-    """Lowest calibrated upper bound H (>= 1)."""
-    clip_calibration_high_max: float = 1.5
-    """Highest calibrated upper bound H. When the FP8 ratios cannot reach the shadow's update
-    balance, H rises to the largest positive-advantage ratio of the batch; at 2.0 (the default
-    before) the stability study's tensorwise_cc run (seed 1, 2026-12-03) let H reach 2.0 by step 16,
-    after which entropy rose 0.78 -> 2.2-2.7, 75-100% of answers held no number and held-out
-    accuracy fell 0.234 -> 0.000. 1.5 is about 1 + 2·clip_high at the default clip_high."""
+    π_θ/π_rollout (no recompute forward) in the interval widened by the noise (rl.noise.widened_clip,
+    algorithm.noise); needs correction=none (r already carries the mismatch)."""
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    """How the measured train/rollout noise widens the clip interval (bypass) and the TIS/MIS
+    thresholds (noise.correction)."""
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    """Calibrated Clipping: mode, every, level, smoothing, limits."""
 
     def __post_init__(self):
         _check(self.name in ALGORITHMS, "algorithm.name", f"{self.name!r} is not one of {ALGORITHMS}")
         _check(self.advantage in ADVANTAGES, "algorithm.advantage", f"{self.advantage!r} is not one of {ADVANTAGES}")
         _check(self.correction in CORRECTIONS, "algorithm.correction", f"{self.correction!r} is not one of {CORRECTIONS}")
-        _check(self.clip_low > 0 and self.clip_high > 0, "algorithm", "clip_low and clip_high must be > 0")
         _check(self.tis_cap > 0, "algorithm.tis_cap", "must be > 0")
-        _check(self.dual_clip == 0 or (math.isfinite(self.dual_clip) and self.dual_clip > 1), "algorithm.dual_clip",
-               f"must be 0 (off) or a finite number > 1, got {self.dual_clip}")
         _check(0 <= self.mis_low < self.mis_high, "algorithm.mis_low", "need 0 <= mis_low < mis_high")
         self._check_noise_options()
         self._check_clip_calibration()
@@ -308,52 +343,39 @@ class AlgorithmConfig:
         return "sequence" if self.name == "gspo" else "token"
 
     def _check_clip_calibration(self):
-        _check(self.clip_calibration in CLIP_CALIBRATIONS, "algorithm.clip_calibration",
-               f"{self.clip_calibration!r} is not one of {CLIP_CALIBRATIONS}")
-        _check(self.clip_calibration_level in CLIP_CALIBRATION_LEVELS, "algorithm.clip_calibration_level",
-               f"{self.clip_calibration_level!r} is not one of {CLIP_CALIBRATION_LEVELS}")
-        _check(self.clip_calibration_level in ("auto", self.ratio_level), "algorithm.clip_calibration_level",
-               f"{self.clip_calibration_level} calibration cannot match algorithm.name={self.name}, whose "
+        level, limits = self.calibration.level, self.calibration.limits
+        _check(level in ("auto", self.ratio_level), "algorithm.calibration.level",
+               f"{level} calibration cannot match algorithm.name={self.name}, whose "
                f"ratio is {self.ratio_level}-level; use auto or {self.ratio_level}")
-        _check(self.clip_calibration_every >= 1, "algorithm.clip_calibration_every",
-               f"must be >= 1, got {self.clip_calibration_every}")
-        _check(0 <= self.clip_calibration_smoothing < 1, "algorithm.clip_calibration_smoothing",
-               f"must be in [0, 1), got {self.clip_calibration_smoothing}")
-        low, high = 1 - self.clip_low, 1 + self.clip_high
-        _check(0 < self.clip_calibration_low_min <= low <= self.clip_calibration_low_max <= 1,
-               "algorithm.clip_calibration_low_min",
-               f"need 0 < clip_calibration_low_min <= 1 - clip_low <= clip_calibration_low_max <= 1, got "
-               f"{self.clip_calibration_low_min} <= {low:g} <= {self.clip_calibration_low_max}")
-        _check(1 <= self.clip_calibration_high_min <= high <= self.clip_calibration_high_max,
-               "algorithm.clip_calibration_high_min",
-               f"need 1 <= clip_calibration_high_min <= 1 + clip_high <= clip_calibration_high_max, got "
-               f"{self.clip_calibration_high_min} <= {high:g} <= {self.clip_calibration_high_max}")
+        low, high = 1 - self.clip.low, 1 + self.clip.high
+        _check(0 < limits.low_min <= low <= limits.low_max <= 1, "algorithm.calibration.limits.low_min",
+               f"need 0 < limits.low_min <= 1 - clip.low <= limits.low_max <= 1, got "
+               f"{limits.low_min} <= {low:g} <= {limits.low_max}")
+        _check(1 <= limits.high_min <= high <= limits.high_max, "algorithm.calibration.limits.high_min",
+               f"need 1 <= limits.high_min <= 1 + clip.high <= limits.high_max, got "
+               f"{limits.high_min} <= {high:g} <= {limits.high_max}")
 
     def _check_noise_options(self):
+        noise, clip = self.noise, self.clip
         _check(self.old_policy in OLD_POLICIES, "algorithm.old_policy",
                f"{self.old_policy!r} is not one of {OLD_POLICIES}")
         _check(self.old_policy == "decoupled" or self.correction == "none", "algorithm.correction",
                f"must be none with old_policy=bypass (the ratio π_θ/π_rollout already carries the "
                f"train/rollout mismatch), got {self.correction!r}")
-        _check(0.5 <= self.noise_quantile < 1, "algorithm.noise_quantile",
-               f"must be in [0.5, 1), got {self.noise_quantile}")
-        _check(len(self.noise_log_quantiles) > 0 and all(0 < q < 1 for q in self.noise_log_quantiles),
-               "algorithm.noise_log_quantiles", f"need levels in (0, 1), got {list(self.noise_log_quantiles)}")
-        _check(self.clip_low < 1, "algorithm.clip_low", f"must be < 1, got {self.clip_low}")
-        _check(self.clip_low <= self.noise_clip_low_max < 1, "algorithm.noise_clip_low_max",
-               f"need clip_low <= noise_clip_low_max < 1, got {self.clip_low} and {self.noise_clip_low_max}")
-        _check(self.clip_high <= self.noise_clip_high_max, "algorithm.noise_clip_high_max",
-               f"need noise_clip_high_max >= clip_high, got {self.noise_clip_high_max} < {self.clip_high}")
-        _check(self.noise_tis_cap_max >= self.tis_cap, "algorithm.noise_tis_cap_max",
-               f"need noise_tis_cap_max >= tis_cap, got {self.noise_tis_cap_max} < {self.tis_cap}")
-        _check(0 <= self.noise_mis_low_min <= self.mis_low, "algorithm.noise_mis_low_min",
-               f"need 0 <= noise_mis_low_min <= mis_low, got {self.noise_mis_low_min} and {self.mis_low}")
-        _check(self.noise_mis_high_max >= self.mis_high, "algorithm.noise_mis_high_max",
-               f"need noise_mis_high_max >= mis_high, got {self.noise_mis_high_max} < {self.mis_high}")
-        _check(not self.noise_correction or self.correction != "none", "algorithm.noise_correction",
+        _check(clip.low <= noise.clip_low_max < 1, "algorithm.noise.clip_low_max",
+               f"need clip.low <= noise.clip_low_max < 1, got {clip.low} and {noise.clip_low_max}")
+        _check(clip.high <= noise.clip_high_max, "algorithm.noise.clip_high_max",
+               f"need noise.clip_high_max >= clip.high, got {noise.clip_high_max} < {clip.high}")
+        _check(noise.tis_cap_max >= self.tis_cap, "algorithm.noise.tis_cap_max",
+               f"need noise.tis_cap_max >= tis_cap, got {noise.tis_cap_max} < {self.tis_cap}")
+        _check(0 <= noise.mis_low_min <= self.mis_low, "algorithm.noise.mis_low_min",
+               f"need 0 <= noise.mis_low_min <= mis_low, got {noise.mis_low_min} and {self.mis_low}")
+        _check(noise.mis_high_max >= self.mis_high, "algorithm.noise.mis_high_max",
+               f"need noise.mis_high_max >= mis_high, got {noise.mis_high_max} < {self.mis_high}")
+        _check(not noise.correction or self.correction != "none", "algorithm.noise.correction",
                "calibrates the TIS/MIS thresholds: needs correction=tis or mis")
-        _check(not self.noise_correction or (self.tis_cap >= 1 and self.mis_low <= 1 <= self.mis_high),
-               "algorithm.noise_correction", "needs tis_cap >= 1 and mis_low <= 1 <= mis_high (the "
+        _check(not noise.correction or (self.tis_cap >= 1 and self.mis_low <= 1 <= self.mis_high),
+               "algorithm.noise.correction", "needs tis_cap >= 1 and mis_low <= 1 <= mis_high (the "
                f"calibration only widens around ρ = 1), got {self.tis_cap}, [{self.mis_low}, {self.mis_high}]")
 
 
@@ -444,6 +466,9 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints (checkpoint.dir defaults to <run_dir>/checkpoints)."""
 
+    renamed_keys: ClassVar[dict[str, str]] = RENAMED_KEYS
+    """Old dotted keys the loader refuses, naming the new one (config/renamed.py)."""
+
     @property
     def trainer_fp8_gemm(self) -> str:
         """The GEMM of the trainer's FP8 linears: batch_invariant for aligned rollouts (the Triton
@@ -452,13 +477,13 @@ class RunConfig:
 
     def __post_init__(self):
         _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")
-        _check(self.algorithm.clip_calibration == "none" or self.model.fp8 != "none"
-               or self.model.dtype != "float32", "algorithm.clip_calibration",
-               f"{self.algorithm.clip_calibration} compares the trainer's ratios with a higher-precision "
+        _check(self.algorithm.calibration.mode == "none" or self.model.fp8 != "none"
+               or self.model.dtype != "float32", "algorithm.calibration.mode",
+               f"{self.algorithm.calibration.mode} compares the trainer's ratios with a higher-precision "
                "shadow's: it needs an FP8 trainer (model.fp8) or a bf16 one (model.dtype=bfloat16, "
                "shadowed in float32); a float32 trainer without FP8 has nothing higher to compare with")
-        _check(self.algorithm.clip_calibration == "none" or self.model.fp8_backend == "ours",
-               "algorithm.clip_calibration", "the shadow's high-precision forward is wired for our FP8 linear "
+        _check(self.algorithm.calibration.mode == "none" or self.model.fp8_backend == "ours",
+               "algorithm.calibration.mode", "the shadow's high-precision forward is wired for our FP8 linear "
                "(model.fp8_backend=ours), not for TE's layers (te)")
         _check(self.rollout.fp8 in ("blockwise", "per_tensor") or self.rollout.dtype == self.model.dtype,
                "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "

@@ -29,6 +29,7 @@ from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
+from megatron_fp8rl.trainer.fp8_observation import calibration_forward
 from megatron_fp8rl.trainer.objective import Objective
 from megatron_fp8rl.trainer.rl_step import Prompts, StepContext, rl_step, sync_weights, timed
 from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT
@@ -87,7 +88,7 @@ def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer,
     from, made from the actor itself: for static input scales (aligned with a shared-scale
     recipe, or per_tensor static) one calibration forward over the first 16 training prompts
     first (the recipe's own rule picks the served scales; per_tensor static takes the max |input|
-    of each linear), then the actor's `weights_for_rollout` stream, the one every sync sends,
+    of each linear), then the actor's `publisher.publish` stream, the one every sync sends,
     written by rank 0 (trainer/rollout_fp8.write_rollout_checkpoint). No other model is built and
     no checkpoint is read."""
     from megatron_fp8rl.trainer.rollout_fp8 import needs_calibration, static_per_tensor, write_rollout_checkpoint
@@ -95,8 +96,8 @@ def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer,
     rollout = cfg.rollout
     bounds = None
     if needs_calibration(rollout.fp8, rollout.activation_scheme, cfg.model.fp8):
-        bounds = actor.calibration_forward([prompt_token_ids(r, tokenizer) for r in train_records[:16]])
-    actor.weights_for_rollout(
+        bounds = calibration_forward(actor, [prompt_token_ids(r, tokenizer) for r in train_records[:16]])
+    actor.publisher.publish(
         lambda tensors: write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg), rollout.fp8,
                                                  rollout.activation_scheme, cfg.model.fp8),
         bounds if static_per_tensor(rollout.fp8, rollout.activation_scheme) else None)

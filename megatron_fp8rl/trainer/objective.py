@@ -41,8 +41,8 @@ from megatron_fp8rl.trainer.config import AlgorithmConfig
 
 def noise_levels(algo: AlgorithmConfig) -> tuple[float, ...]:
     """Quantile levels estimated every step: the logged ones and the tails α, 1 − α."""
-    tails = {algo.noise_quantile, round(1 - algo.noise_quantile, 12)}
-    return tuple(sorted(set(algo.noise_log_quantiles) | tails))
+    tails = {algo.noise.quantile, round(1 - algo.noise.quantile, 12)}
+    return tuple(sorted(set(algo.noise.log_quantiles) | tails))
 
 
 @dataclass(frozen=True)
@@ -68,22 +68,22 @@ def effective_thresholds(algo: AlgorithmConfig, noise: NoiseFloor,
                          clip_bounds: ClipBounds | None = None) -> Thresholds:
     """bypass: the clip interval widened by the noise tails (rl.noise.widened_clip); decoupled: the
     configured one (its ratio has no noise). `clip_bounds`: Calibrated Clipping's bounds, which
-    replace both (trainer/clip_calibration.py). noise_correction: calibrated TIS cap and MIS band."""
-    low_tail = noise.delta_at(round(1 - algo.noise_quantile, 12))
-    high_tail = noise.delta_at(algo.noise_quantile)
-    clip_low, clip_high = algo.clip_low, algo.clip_high
+    replace both (trainer/clip_calibration.py). noise.correction: calibrated TIS cap and MIS band."""
+    low_tail = noise.delta_at(round(1 - algo.noise.quantile, 12))
+    high_tail = noise.delta_at(algo.noise.quantile)
+    clip_low, clip_high = algo.clip.low, algo.clip.high
     if clip_bounds is not None:
         clip_low, clip_high = clip_bounds.epsilons()
     elif algo.old_policy == "bypass":
         clip_low, clip_high = widened_clip(clip_low, clip_high, low_tail, high_tail,
-                                           clip_low_max=algo.noise_clip_low_max,
-                                           clip_high_max=algo.noise_clip_high_max)
+                                           clip_low_max=algo.noise.clip_low_max,
+                                           clip_high_max=algo.noise.clip_high_max)
     tis_cap, mis_low, mis_high = algo.tis_cap, algo.mis_low, algo.mis_high
-    if algo.noise_correction:
-        tis_cap = calibrated_tis_cap(tis_cap, high_tail, cap_max=algo.noise_tis_cap_max)
+    if algo.noise.correction:
+        tis_cap = calibrated_tis_cap(tis_cap, high_tail, cap_max=algo.noise.tis_cap_max)
         mis_low, mis_high = calibrated_mis_band(mis_low, mis_high, low_tail, high_tail,
-                                                low_min=algo.noise_mis_low_min,
-                                                high_max=algo.noise_mis_high_max)
+                                                low_min=algo.noise.mis_low_min,
+                                                high_max=algo.noise.mis_high_max)
     return Thresholds(clip_low, clip_high, tis_cap, mis_low, mis_high)
 
 
@@ -179,7 +179,7 @@ class Objective:
                           clip_low=limits.clip_low, clip_high=limits.clip_high, agg_mode=algo.agg_mode,
                           max_response_length=self.max_response_length, denominator=terms.denominator,
                           correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef,
-                          dual_clip=algo.dual_clip or None)
+                          dual_clip=algo.clip.dual or None)
         if terms.at_old_policy:
             metrics.update(_train_forward_noise(logprobs, old, mask))
         if trainer_old is not None:

@@ -25,6 +25,7 @@ from megatron_fp8rl.rollout.engine import RolloutEngine, RolloutSample, Sampling
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch
 from megatron_fp8rl.trainer.config import RunConfig
+from megatron_fp8rl.trainer.fp8_observation import fp8_metrics
 
 Prompts = Iterator[tuple[list[list[int]], list[str]]]
 """Batches of (prompt token ids, reference answers), one batch per `next`."""
@@ -71,7 +72,7 @@ def rl_step(ctx: StepContext, prompts: Prompts, step: int) -> dict[str, float]:
     with timed(ctx.timings, "recompute"):
         old_logprobs = ctx.actor.old_logprobs(batch) if _recompute_needed(ctx.cfg) else None
     with timed(ctx.timings, "train"):
-        train_metrics = {**ctx.actor.update(batch, old_logprobs, step), **ctx.actor.fp8_metrics()}
+        train_metrics = {**ctx.actor.update(batch, old_logprobs, step), **fp8_metrics(ctx.actor.model)}
     with timed(ctx.timings, "sync"):
         sync_weights(ctx, version=step)
     tokens = float(batch.response_mask.sum())
@@ -190,7 +191,7 @@ def _recompute_needed(cfg: RunConfig) -> bool:
     algo = cfg.algorithm
     if algo.old_policy == "bypass":
         return False
-    return cfg.train.mini_batches > 1 or algo.clip_calibration != "none" or algo.noise_correction
+    return cfg.train.mini_batches > 1 or algo.calibration.mode != "none" or algo.noise.correction
 
 
 def _colocated_engine(ctx: StepContext) -> bool:
@@ -199,14 +200,14 @@ def _colocated_engine(ctx: StepContext) -> bool:
 
 
 def sync_weights(ctx: StepContext, version: int) -> None:
-    """Trainer weights -> rollout engine as weight `version` (MegatronActor.weights_for_rollout:
+    """Trainer weights -> rollout engine as weight `version` (WeightPublisher.publish:
     quantized for rollout.fp8, with the trainer's FP8 scales in aligned mode)."""
     def send(tensors):
         if _colocated_engine(ctx):
             ctx.engine.resume_memory(["weights"])  # back before they are written; no-op unless released
         ctx.engine.update_weights(tensors, version=version)
 
-    ctx.actor.weights_for_rollout(send)
+    ctx.actor.publisher.publish(send)
     if _colocated_engine(ctx):
         ctx.engine.resume_memory()  # KV cache and CUDA graphs
     dist.barrier()

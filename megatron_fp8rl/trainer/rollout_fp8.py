@@ -199,7 +199,7 @@ def write_rollout_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], hf_pat
                              rollout_fp8: str, activation_scheme: str, trainer_fp8: str,
                              shard_bytes: int = 1 << 30) -> Path:
     """Global rank 0: the checkpoint the rollout engine starts from, written from the actor's own
-    stream (`MegatronActor.weights_for_rollout`, the tensors every sync sends) at `output`:
+    stream (`WeightPublisher.publish`, the tensors every sync sends) at `output`:
     safetensors shards of about `shard_bytes` with an index, the HF side files of `hf_path`, and
     config.json with the `quantization_config` of `rollout_fp8` (trainer/config.py). Written to a
     temporary folder and renamed at the end (convert.outputs.atomic_output); one shard in memory."""

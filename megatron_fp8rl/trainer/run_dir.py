@@ -5,7 +5,8 @@ the run's config as dotted keys), written when a run first claims the folder, an
 `check_run_dir`, which refuses a run whose model differs from the recorded one (its converted
 `init_megatron` and checkpoints belong to that model) or whose config differs in anything but
 RESUMABLE_KEYS, unless `train.resume_changed_config` (a key the recorded run predates counts
-at its default: the behaviour the run had before the key existed). A folder holding a previous run's outputs
+at its default: the behaviour the run had before the key existed; a renamed key, config/renamed.py, counts
+under its new name). A folder holding a previous run's outputs
 without a provenance record is refused too: what it was made from cannot be told. A run_dir or
 checkpoint.dir this process cannot write is refused before anything starts, naming the key.
 Must not import: cli.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_fp8rl.config.loader import defaults
+from megatron_fp8rl.config.renamed import renamed_key
 from megatron_fp8rl.convert.integrity import hf_fingerprint
 from megatron_fp8rl.convert.outputs import writable_problem
 
@@ -59,6 +61,7 @@ def _model_mismatch(run_dir: Path, old: dict, new: dict) -> str:
 
 
 def _config_mismatch(run_dir: Path, old: dict, new: dict, default: dict) -> str | None:
+    old = {renamed_key(k): v for k, v in old.items()}  # a run recorded before a rename: its keys' new names
     old = {**{k: v for k, v in default.items() if k in new}, **old}  # keys added since: their defaults
     keys = sorted(k for k in set(old) | set(new)
                   if k not in RESUMABLE_KEYS and k != "train.resume_changed_config"

@@ -12,6 +12,7 @@ from megatron_fp8rl.report.study import (
     train_command,
 )
 from megatron_fp8rl.trainer.config import RunConfig
+from tests.helpers.processes import REPO
 
 
 def _config(overrides):
@@ -27,14 +28,14 @@ def test_the_issue_arms():
     tis = by_name["bf16_fp8block_tis"]
     assert (tis.model.dtype, tis.rollout.fp8, tis.algorithm.correction) == ("bfloat16", "blockwise", "tis")
     for arm in (bf16, tis):  # the diagnostic on the bf16 arms too: their float32 shadow
-        assert (arm.algorithm.clip_calibration, arm.algorithm.clip_calibration_every) == ("monitor", 1)
+        assert (arm.algorithm.calibration.mode, arm.algorithm.calibration.every) == ("monitor", 1)
     for name, (trainer, rollout) in {"tensorwise": ("tensorwise", "per_tensor"), "blockwise": ("blockwise", "blockwise"),
                                      "aligned": ("calibrated", "aligned")}.items():
         plain, cc = by_name[name], by_name[f"{name}_cc"]
         assert (plain.model.fp8, plain.rollout.fp8) == (cc.model.fp8, cc.rollout.fp8) == (trainer, rollout)
         # the diagnostic every step on every FP8 arm: measured (monitor) or applied (shadow)
-        assert (plain.algorithm.clip_calibration, cc.algorithm.clip_calibration) == ("monitor", "shadow")
-        assert plain.algorithm.clip_calibration_every == cc.algorithm.clip_calibration_every == 1
+        assert (plain.algorithm.calibration.mode, cc.algorithm.calibration.mode) == ("monitor", "shadow")
+        assert plain.algorithm.calibration.every == cc.algorithm.calibration.every == 1
     noise = by_name["tensorwise_noise"]
     assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
     assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm
@@ -118,6 +119,23 @@ def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path):
     differs = config_differences(tmp_path, other[other.index("train") + 1:])
     assert len(differs) == 3 and differs[0].startswith("train.lr: run has 3e-05") and "train.seed" in differs[1]
     assert differs[2] == "rollout.fp8: run has 'per_tensor', the study sets blockwise"  # a string value
+
+
+@pytest.mark.parametrize("arm", ["tensorwise_cc", "tensorwise_noise"])
+def test_a_committed_run_with_the_old_flat_keys_matches_its_arm(arm):
+    """results/stability/<arm>/seed1/config.yaml was written before the algorithm groups were
+    nested (algorithm.clip_calibration, ...): the arm's renamed overrides find their values there
+    under the old keys, so the study reuses the run rather than calling it another setting."""
+    from megatron_fp8rl.report.study import config_differences
+
+    run_dir = REPO / "results" / "stability" / arm / "seed1"
+    assert "clip_calibration: " in (run_dir / "config.yaml").read_text()  # the old layout
+    setting = next(s for s in study_settings() if s.name == arm)
+    overrides = [o for o in setting.overrides if o.startswith("algorithm.")]
+    assert any(o.startswith("algorithm.calibration.") for o in overrides)
+    assert config_differences(run_dir, overrides) == []
+    assert config_differences(run_dir, ["algorithm.calibration.every=2"]) == [
+        "algorithm.calibration.every: run has 1, the study sets 2"]
 
 
 def test_hours_budget_counts_the_longest_finished_run():

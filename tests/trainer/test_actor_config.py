@@ -72,9 +72,9 @@ def test_recipe_margin_reaches_the_aligned_rollout_checkpoint(megatron_tp1, tmp_
         actor, checkpoint = _start_checkpoint(model, tmp_path / str(margin), [
             "model.fp8=calibrated", "rollout.fp8=aligned", *([f"model.fp8_recipe.margin={margin}"] if margin else [])])
         served[margin] = served_scales(checkpoint)
-        assert actor._served_scales().keys() == served[margin].keys()
+        assert actor.publisher.served_scales().keys() == served[margin].keys()
         assert all(torch.equal(a, b) for key, pair in served[margin].items()
-                   for a, b in zip(actor._served_scales()[key], pair))
+                   for a, b in zip(actor.publisher.served_scales()[key], pair))
     assert served[None].keys() == served[3].keys() and len(served[3]) == 2 * 4
     for key, (weight, inputs) in served[None].items():
         assert torch.allclose(served[3][key][0], 4 * weight) and torch.allclose(served[3][key][1], 4 * inputs), key

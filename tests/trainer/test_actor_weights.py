@@ -14,6 +14,7 @@ import torch
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.models.hf import build_conversion_target
 from megatron_fp8rl.trainer.actor import MegatronActor
+from megatron_fp8rl.trainer.fp8_observation import calibration_forward
 from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.objective import Objective
 from tests.helpers.processes import run_torchrun
@@ -43,12 +44,13 @@ def test_in_memory_weights_equal_the_checkpoint_round_trip(megatron_tp1, convert
     with torch.no_grad():  # trained weights: neither side may fall back to the converted start
         for param in actor.model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.01)
-    disk = list(actor.hf_tensors(actor.save_weights(tmp_path / "sync")))
-    memory = list(actor.hf_tensors_in_memory())
+    disk = list(actor.publisher.hf_tensors(actor.save_weights(tmp_path / "sync")))
+    memory = list(actor.publisher.hf_tensors_in_memory())
     assert [name for name, _ in memory] == [name for name, _ in disk]
     assert len(disk) == 3 + 2 * 9  # embeddings, final norm, lm_head; 9 per layer
     for (name, ours), (_, theirs) in zip(memory, disk):
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+        assert ours.device == actor.publisher.device() == torch.device("cpu"), name  # CPU tier: gloo, no GPU
 
 
 @pytest.mark.multiprocess
@@ -75,14 +77,14 @@ def test_rollout_snapshot_layout_is_what_its_stream_makes(megatron_tp1, converte
     model, init = converted
     actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), TrainConfig(),
                           Objective(AlgorithmConfig(), max_response_length=8), rollout_fp8=rollout_fp8)
-    bounds = actor.calibration_forward([[3, 4, 5, 6]])  # the recipe's input bounds (aligned's scales)
+    bounds = calibration_forward(actor, [[3, 4, 5, 6]])  # the recipe's input bounds (aligned's scales)
     seen = {}
 
     def consume(snapshot):
         seen["layout"] = list(snapshot.layout)
-        seen["made"] = [(name, tuple(t.shape), t.dtype) for name, t in snapshot]
+        seen["made"] = [(name, tuple(t.shape), t.dtype) for name, t in snapshot if t.device == actor.publisher.device()]
 
-    actor.weights_for_rollout(consume, input_bounds=bounds if static else None)
+    actor.publisher.publish(consume, input_bounds=bounds if static else None)
     assert seen["layout"] == seen["made"]
     dtypes = {dtype for _, _, dtype in seen["made"]}
     assert (torch.float8_e4m3fn in dtypes) == (rollout_fp8 != "none")

@@ -16,7 +16,7 @@ def test_unknown_key_suggests_closest(capsys):
     assert main(["train", "model.hf_path=/x", "algorithm.clip_hihg=0.3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert re.match(r"error: .*'algorithm.clip_hihg'.*did you mean 'algorithm.clip_high'", err)
+    assert re.match(r"error: .*'algorithm.clip_hihg'.*did you mean 'algorithm.clip.high'", err)
     with pytest.raises(ConfigError, match=r"'algorithm.clip_hihg'"):
         main(["--debug", "train", "model.hf_path=/x", "algorithm.clip_hihg=0.3"])
 
@@ -46,7 +46,7 @@ def test_unknown_key_suggests_closest(capsys):
     ("data.train_size=0", r"data.train_size: must be >= 1"),
     ("data.arithmetic_ops=[add,pow]", r"data.arithmetic_ops: unknown \['pow'\]"),
     ("algorithm.agg_mode=sum", r"algorithm.agg_mode: 'sum' is not one of"),
-    ("algorithm.dual_clip=0.5", r"algorithm.dual_clip: must be 0 \(off\) or a finite number > 1, got 0.5"),
+    ("algorithm.clip.dual=0.5", r"algorithm.clip.dual: must be 0 \(off\) or a finite number > 1, got 0.5"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -97,19 +97,19 @@ def test_example_run_configs_load():
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.old_policy=reuse"], "algorithm.old_policy: 'reuse' is not one of"),
     (["algorithm.old_policy=bypass"], "algorithm.correction: must be none with old_policy=bypass"),
-    (["algorithm.noise_quantile=1.0"], r"algorithm.noise_quantile: must be in \[0.5, 1\)"),
-    (["algorithm.noise_quantile=-0.1"], r"algorithm.noise_quantile: must be in \[0.5, 1\)"),
-    (["algorithm.noise_log_quantiles=[0.5,1.5]"], r"algorithm.noise_log_quantiles: need levels in \(0, 1\)"),
-    (["algorithm.noise_log_quantiles=[]"], r"algorithm.noise_log_quantiles: need levels in \(0, 1\)"),
-    (["algorithm.noise_clip_low_max=0.1"], "algorithm.noise_clip_low_max: need clip_low <= noise_clip_low_max < 1"),
-    (["algorithm.noise_clip_low_max=1.0"], "algorithm.noise_clip_low_max: need clip_low <= noise_clip_low_max < 1"),
-    (["algorithm.noise_clip_high_max=0.1"], "algorithm.noise_clip_high_max: need noise_clip_high_max >= clip_high"),
-    (["algorithm.noise_tis_cap_max=1.5"], "algorithm.noise_tis_cap_max: need noise_tis_cap_max >= tis_cap"),
-    (["algorithm.noise_mis_low_min=-0.1"], "algorithm.noise_mis_low_min: need 0 <= noise_mis_low_min <= mis_low"),
-    (["algorithm.noise_mis_low_min=0.6"], "algorithm.noise_mis_low_min: need 0 <= noise_mis_low_min <= mis_low"),
-    (["algorithm.noise_mis_high_max=1.5"], "algorithm.noise_mis_high_max: need noise_mis_high_max >= mis_high"),
-    (["algorithm.noise_correction=true", "algorithm.correction=none"], "algorithm.noise_correction: .*needs correction=tis or mis"),
-    (["algorithm.noise_correction=true", "algorithm.tis_cap=0.5"], "algorithm.noise_correction: needs tis_cap >= 1"),
+    (["algorithm.noise.quantile=1.0"], r"algorithm.noise.quantile: must be in \[0.5, 1\)"),
+    (["algorithm.noise.quantile=-0.1"], r"algorithm.noise.quantile: must be in \[0.5, 1\)"),
+    (["algorithm.noise.log_quantiles=[0.5,1.5]"], r"algorithm.noise.log_quantiles: need levels in \(0, 1\)"),
+    (["algorithm.noise.log_quantiles=[]"], r"algorithm.noise.log_quantiles: need levels in \(0, 1\)"),
+    (["algorithm.noise.clip_low_max=0.1"], "algorithm.noise.clip_low_max: need clip.low <= noise.clip_low_max < 1"),
+    (["algorithm.noise.clip_low_max=1.0"], "algorithm.noise.clip_low_max: need clip.low <= noise.clip_low_max < 1"),
+    (["algorithm.noise.clip_high_max=0.1"], "algorithm.noise.clip_high_max: need noise.clip_high_max >= clip.high"),
+    (["algorithm.noise.tis_cap_max=1.5"], "algorithm.noise.tis_cap_max: need noise.tis_cap_max >= tis_cap"),
+    (["algorithm.noise.mis_low_min=-0.1"], "algorithm.noise.mis_low_min: need 0 <= noise.mis_low_min <= mis_low"),
+    (["algorithm.noise.mis_low_min=0.6"], "algorithm.noise.mis_low_min: need 0 <= noise.mis_low_min <= mis_low"),
+    (["algorithm.noise.mis_high_max=1.5"], "algorithm.noise.mis_high_max: need noise.mis_high_max >= mis_high"),
+    (["algorithm.noise.correction=true", "algorithm.correction=none"], "algorithm.noise.correction: .*needs correction=tis or mis"),
+    (["algorithm.noise.correction=true", "algorithm.tis_cap=0.5"], "algorithm.noise.correction: needs tis_cap >= 1"),
 ])
 def test_noise_options_out_of_range_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -119,11 +119,11 @@ def test_noise_options_out_of_range_name_the_key(overrides, message):
 def test_noise_options_set_by_dotted_overrides():
     cfg = load_config(RunConfig, None, [
         "model.hf_path=/x", "algorithm.old_policy=bypass", "algorithm.correction=none",
-        "algorithm.noise_quantile=0.95", "algorithm.noise_log_quantiles=[0.5,0.99]",
-        "algorithm.noise_clip_high_max=0.6"])
+        "algorithm.noise.quantile=0.95", "algorithm.noise.log_quantiles=[0.5,0.99]",
+        "algorithm.noise.clip_high_max=0.6"])
     algo = cfg.algorithm
-    assert (algo.old_policy, algo.noise_quantile, algo.noise_clip_high_max) == ("bypass", 0.95, 0.6)
-    assert list(algo.noise_log_quantiles) == [0.5, 0.99]
+    assert (algo.old_policy, algo.noise.quantile, algo.noise.clip_high_max) == ("bypass", 0.95, 0.6)
+    assert list(algo.noise.log_quantiles) == [0.5, 0.99]
     assert load_config(RunConfig, None, ["model.hf_path=/x"]).algorithm.old_policy == "decoupled"
 
 
@@ -267,3 +267,37 @@ def test_te_backend_refuses_at_load_what_megatrons_te_recipes_cannot_carry(overr
     with pytest.raises(ConfigError, match=r"model.fp8_backend: te cannot run model.fp8=\w+ as configured .*" + message):
         load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8_backend=te", *overrides])
     load_config(RunConfig, None, ["model.hf_path=/x", *overrides])  # ours runs them
+
+
+def test_every_renamed_key_fails_in_one_line_naming_the_new_key(tmp_path, capsys):
+    """The flat algorithm keys before the clip/calibration/noise groups (config/renamed.py): each,
+    as an override and in a YAML file, is refused with one line that names its new key, and each
+    new key is a key of the schema (a set value reaches it)."""
+    from megatron_fp8rl.config.renamed import RENAMED_KEYS
+
+    assert len(RENAMED_KEYS) == 19
+    for old, new in RENAMED_KEYS.items():
+        with pytest.raises(ConfigError, match=rf"^override: '{re.escape(old)}' was renamed: use '{re.escape(new)}'$"):
+            load_config(RunConfig, None, ["model.hf_path=/x", f"{old}=1"])
+        section, leaf = old.split(".")
+        path = tmp_path / f"{leaf}.yaml"
+        path.write_text(f"model:\n  hf_path: /x\n{section}:\n  {leaf}: 1\n")
+        with pytest.raises(ConfigError, match=rf"'{re.escape(old)}' was renamed: use '{re.escape(new)}'$"):
+            load_config(RunConfig, path)
+        node = load_config(RunConfig, None, ["model.hf_path=/x"])
+        for part in new.split(".")[:-1]:
+            node = getattr(node, part)
+        assert hasattr(node, new.rsplit(".", 1)[1]), new
+    assert main(["train", "model.hf_path=/x", "algorithm.clip_low=0.3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: override: 'algorithm.clip_low' was renamed: use 'algorithm.clip.low'\n"
+
+
+def test_nested_algorithm_groups_take_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  hf_path: /x\n  fp8: calibrated\nalgorithm:\n  clip:\n    low: 0.25\n    high: 0.3\n"
+                    "  calibration:\n    mode: shadow\n    limits:\n      high_max: 1.7\n")
+    algo = load_config(RunConfig, path, ["algorithm.calibration.every=3", "algorithm.noise.quantile=0.95"]).algorithm
+    assert (algo.clip.low, algo.clip.high, algo.clip.dual) == (0.25, 0.3, 0.0)
+    assert (algo.calibration.mode, algo.calibration.every, algo.calibration.limits.high_max) == ("shadow", 3, 1.7)
+    assert (algo.calibration.limits.low_min, algo.noise.quantile) == (0.5, 0.95)  # defaults kept beside set fields

@@ -65,7 +65,7 @@ def test_aligned_fp8_rollouts_from_a_disaggregated_server(tiny_run_inputs, tmp_p
     scales reached the server)."""
     run_train(tiny_run_inputs, tmp_path, 1, "rollout.mode=disaggregated", f"rollout.weight_transfer={transfer}",
               "rollout.bucket_mb=1", "model.fp8=calibrated", "rollout.fp8=aligned", "algorithm.name=grpo",
-              "algorithm.clip_high=0.2", "train.mini_batches=1", "train.eval_every=0",
+              "algorithm.clip.high=0.2", "train.mini_batches=1", "train.eval_every=0",
               "algorithm.dynamic_sampling=false")
     scalars = tb_scalars(tmp_path)
     mismatch = scalars["train/mismatch_abs_logprob_diff_mean"]

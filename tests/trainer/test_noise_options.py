@@ -1,4 +1,4 @@
-"""The noise-aware options of the objective (algorithm.old_policy, algorithm.noise_*).
+"""The noise-aware options of the objective (algorithm.old_policy, algorithm.noise.*).
 
 Without a process group: at zero train/rollout noise every option's loss and gradient are bit-equal
 to plain DAPO/GSPO (`policy_loss` without the options); with a known noise the bypass interval is
@@ -57,7 +57,7 @@ def _plain(cfg, mb, logprobs, entropy, old):
     leaf = logprobs.clone().requires_grad_()
     out = policy_loss(leaf, old, mb.advantages, mb.response_mask,
                       ratio_level="sequence" if cfg.algorithm.name == "gspo" else "token",
-                      clip_low=cfg.algorithm.clip_low, clip_high=cfg.algorithm.clip_high,
+                      clip_low=cfg.algorithm.clip.low, clip_high=cfg.algorithm.clip.high,
                       agg_mode=cfg.algorithm.agg_mode, max_response_length=cfg.rollout.max_new_tokens,
                       denominator=DENOMINATOR, entropy=entropy)
     out.loss.backward()
@@ -68,10 +68,10 @@ OPTIONS = [
     ["algorithm.correction=none"],
     ["algorithm.correction=tis"],
     ["algorithm.correction=mis"],
-    ["algorithm.correction=tis", "algorithm.noise_correction=true"],
-    ["algorithm.correction=mis", "algorithm.noise_correction=true", "algorithm.noise_quantile=0.99"],
+    ["algorithm.correction=tis", "algorithm.noise.correction=true"],
+    ["algorithm.correction=mis", "algorithm.noise.correction=true", "algorithm.noise.quantile=0.99"],
     ["algorithm.old_policy=bypass", "algorithm.correction=none"],
-    ["algorithm.old_policy=bypass", "algorithm.correction=none", "algorithm.noise_quantile=0.5"],
+    ["algorithm.old_policy=bypass", "algorithm.correction=none", "algorithm.noise.quantile=0.5"],
 ]
 
 
@@ -94,7 +94,7 @@ def test_zero_noise_reduces_every_option_to_plain_policy_loss(name, options, fir
     plain_loss, plain_grad = _plain(cfg, mb, logprobs, entropy, mb.rollout_logprobs)
     assert torch.equal(loss, plain_loss)
     assert torch.equal(grad, plain_grad)
-    assert float(metrics["noise/clip_high"]) == cfg.algorithm.clip_high
+    assert float(metrics["noise/clip_high"]) == cfg.algorithm.clip.high
     assert float(metrics["noise/source_first_forward"]) == float(bypass)
 
 
@@ -135,7 +135,7 @@ def test_bypass_and_decoupled_end_to_end(tiny_run_inputs, tmp_path):
               "algorithm.dynamic_sampling=false")
     run_train(tiny_run_inputs, tmp_path / "bypass", 1, *common, "algorithm.old_policy=bypass",
            "algorithm.correction=none")
-    run_train(tiny_run_inputs, tmp_path / "decoupled", 1, *common, "algorithm.noise_correction=true")
+    run_train(tiny_run_inputs, tmp_path / "decoupled", 1, *common, "algorithm.noise.correction=true")
     bypass, decoupled = tb_scalars(tmp_path / "bypass"), tb_scalars(tmp_path / "decoupled")
     for scalars in (bypass, decoupled):
         for tag in STEP_TAGS:
@@ -159,10 +159,10 @@ def test_bypass_and_decoupled_end_to_end(tiny_run_inputs, tmp_path):
 def test_calibrated_bounds_replace_the_clip_interval(options):
     """Calibrated Clipping's bounds [L, H] are the loss's interval (bypass's noise widening does
     not apply on top), bit-equal to policy_loss with ε_low = 1 − L, ε_high = H − 1; and with
-    clip_calibration=shadow configured but before any calibration (bounds None), the loss is
-    bit-equal to clip_calibration=none."""
+    calibration.mode=shadow configured but before any calibration (bounds None), the loss is
+    bit-equal to calibration.mode=none."""
     cfg = load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8=calibrated",
-                                        "algorithm.clip_calibration=shadow", *options])
+                                        "algorithm.calibration.mode=shadow", *options])
     mb, moved, entropy = _micro_batch(noise=0.1)
     bypass = cfg.algorithm.old_policy == "bypass"
     old = mb.rollout_logprobs if bypass else mb.old_logprobs
@@ -188,27 +188,27 @@ def test_calibrated_bounds_replace_the_clip_interval(options):
 
 def test_clip_calibration_config_is_checked():
     for mode in ("shadow", "monitor"):
-        with pytest.raises(ValueError, match=f"algorithm.clip_calibration: {mode} compares the trainer's ratios "
+        with pytest.raises(ValueError, match=f"algorithm.calibration.mode: {mode} compares the trainer's ratios "
                                              "with a higher-precision shadow's: it needs an FP8 trainer"):
-            load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.clip_calibration={mode}"])
-        bf16 = load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.clip_calibration={mode}",
+            load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.calibration.mode={mode}"])
+        bf16 = load_config(RunConfig, None, ["model.hf_path=/x", f"algorithm.calibration.mode={mode}",
                                              "model.dtype=bfloat16", "rollout.dtype=bfloat16"])
-        assert bf16.algorithm.clip_calibration == mode  # a bf16 trainer is shadowed in float32
-    with pytest.raises(ValueError, match="algorithm.clip_calibration_level: token calibration cannot match"):
+        assert bf16.algorithm.calibration.mode == mode  # a bf16 trainer is shadowed in float32
+    with pytest.raises(ValueError, match="algorithm.calibration.level: token calibration cannot match"):
         load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.name=gspo",
-                                      "algorithm.clip_calibration_level=token"])
-    with pytest.raises(ValueError, match="algorithm.clip_calibration_low_min: need 0 <"):
-        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration_low_min=0.9"])
-    with pytest.raises(ValueError, match="algorithm.clip_calibration_high_min: need 1 <="):
-        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration_high_max=1.1"])
-    with pytest.raises(ValueError, match="algorithm.clip_calibration_every: must be >= 1"):
-        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip_calibration_every=0"])
+                                      "algorithm.calibration.level=token"])
+    with pytest.raises(ValueError, match="algorithm.calibration.limits.low_min: need 0 <"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.calibration.limits.low_min=0.9"])
+    with pytest.raises(ValueError, match="algorithm.calibration.limits.high_min: need 1 <="):
+        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.calibration.limits.high_max=1.1"])
+    with pytest.raises(ValueError, match="algorithm.calibration.every: must be >= 1"):
+        load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.calibration.every=0"])
 
 
 def test_dual_clip_reaches_the_loss_from_the_config():
-    """algorithm.dual_clip=3 is policy_loss's dual_clip=3: negative-advantage tokens whose ratio is
+    """algorithm.clip.dual=3 is policy_loss's dual_clip=3: negative-advantage tokens whose ratio is
     far above 1 have their loss capped at −3·A (the plain run's loss differs on this batch)."""
-    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.dual_clip=3", "algorithm.correction=none"])
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "algorithm.clip.dual=3", "algorithm.correction=none"])
     mb, moved, entropy = _micro_batch(noise=0.0)
     logprobs = moved + 2.0 * mb.response_mask  # ratios of e^2 ≈ 7.4 > 3
     loss, grad, _ = _loss_and_grad(cfg, mb, logprobs, entropy, estimate_noise(

@@ -121,7 +121,7 @@ def test_aligned_first_minibatch_ratio_is_exactly_one(tiny_run_inputs, tmp_path,
     the tiny model aligned rollouts are bit-identical to the trainer).
     1 torchrun process + SGLang's 2."""
     run_train(tiny_run_inputs, tmp_path, 1, f"model.fp8={recipe}", "rollout.fp8=aligned",
-           "algorithm.name=grpo", "algorithm.clip_high=0.2", "train.mini_batches=1",
+           "algorithm.name=grpo", "algorithm.clip.high=0.2", "train.mini_batches=1",
            "train.eval_every=0", "algorithm.dynamic_sampling=false", *old_policy)
     scalars = tb_scalars(tmp_path)
     # bypass: π_old is SGLang's logprob, whose final norm, lm_head and log-softmax round apart from
@@ -175,7 +175,7 @@ def test_float32_recompute_runs_as_the_training_forward(tiny_run_inputs, tmp_pat
     forward at θ = θ_old equals π_old bit for bit (before: the recompute repeated SGLang's per-row
     attention calls, ~S times as many, and the first ratio carried their rounding, 2e-6).
     1 torchrun process + SGLang's 2."""
-    run_train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip_high=0.2",
+    run_train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip.high=0.2",
            "train.mini_batches=2", "train.micro_batch_size=2", "train.eval_every=0",
            "algorithm.dynamic_sampling=false")
     scalars = tb_scalars(tmp_path)
@@ -189,7 +189,7 @@ def test_one_minibatch_update_needs_no_recompute(tiny_run_inputs, tmp_path):
     forward pass a step); the update's only forward, at θ = θ_old, gives π_old itself, so the PPO
     ratio is exactly 1 and TIS weighs it against the rollout's logprobs, as plain GRPO does.
     1 torchrun process + SGLang's 2."""
-    run_train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip_high=0.2",
+    run_train(tiny_run_inputs, tmp_path, 1, "algorithm.name=grpo", "algorithm.clip.high=0.2",
            "train.mini_batches=1", "train.eval_every=0", "algorithm.dynamic_sampling=false")
     scalars = tb_scalars(tmp_path)
     assert max(scalars["time/recompute_s"]) < 0.01
@@ -202,12 +202,12 @@ def test_one_minibatch_update_needs_no_recompute(tiny_run_inputs, tmp_path):
 
 @pytest.mark.multiprocess
 def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
-    """algorithm.clip_calibration=shadow end to end at TP=2 (2 torchrun processes + SGLang's 2):
+    """algorithm.calibration.mode=shadow end to end at TP=2 (2 torchrun processes + SGLang's 2):
     calibrated FP8 trainer, 2 mini-batches, a calibration every step. Both steps run the shadow
     forwards and log the diagnostic; the bounds leave the configured interval and stay within
     their limits; a checkpoint keeps them."""
     summary = run_train(tiny_run_inputs, tmp_path, 2, "model.tensor_parallel=2", "model.fp8=calibrated",
-                     "algorithm.clip_calibration=shadow", "algorithm.clip_calibration_every=1",
+                     "algorithm.calibration.mode=shadow", "algorithm.calibration.every=1",
                      "train.mini_batches=2", "train.micro_batch_size=2", "train.eval_every=0",
                      "algorithm.dynamic_sampling=false", "checkpoint.every=2")
     scalars = tb_scalars(tmp_path)
@@ -227,10 +227,10 @@ def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
 
 @pytest.mark.multiprocess
 def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_path):
-    """algorithm.clip_calibration=monitor (the stability study's plain-FP8 arms): the shadow
+    """algorithm.calibration.mode=monitor (the stability study's plain-FP8 arms): the shadow
     forwards run and the diagnostic is logged every step, the configured bounds stay in force."""
-    run_train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "algorithm.clip_calibration=monitor",
-              "algorithm.clip_calibration_every=1", "train.mini_batches=2", "train.micro_batch_size=2",
+    run_train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "algorithm.calibration.mode=monitor",
+              "algorithm.calibration.every=1", "train.mini_batches=2", "train.micro_batch_size=2",
               "train.eval_every=0", "algorithm.dynamic_sampling=false")
     scalars = tb_scalars(tmp_path)
     assert scalars["clip/calibrations"] == [1.0, 2.0] and scalars["clip/calibrated"] == [1.0, 1.0]
@@ -250,10 +250,10 @@ def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_pa
 @pytest.mark.slow  # ~100 s; the bf16 shadow's arithmetic is tested in the default tier (tests/models/test_shadow.py)
 @pytest.mark.multiprocess
 def test_clip_monitor_on_a_bf16_trainer_measures_against_its_float32_shadow(tiny_run_inputs, tmp_path):
-    """algorithm.clip_calibration=monitor with a bf16 trainer and no FP8 (the study's bf16 arms):
+    """algorithm.calibration.mode=monitor with a bf16 trainer and no FP8 (the study's bf16 arms):
     the float32 shadow forwards run every step and the diagnostic is logged, bounds unchanged."""
     run_train(tiny_run_inputs, tmp_path, 1, "model.dtype=bfloat16", "rollout.dtype=bfloat16",
-              "algorithm.clip_calibration=monitor", "algorithm.clip_calibration_every=1",
+              "algorithm.calibration.mode=monitor", "algorithm.calibration.every=1",
               "train.mini_batches=2", "train.micro_batch_size=2", "train.eval_every=0",
               "algorithm.dynamic_sampling=false")
     scalars = tb_scalars(tmp_path)

@@ -63,6 +63,20 @@ def test_keys_added_since_the_record_count_at_their_defaults(models, tmp_path):
         check_run_dir(_cfg(models["a"], tmp_path, adam_beta1=0.8))
 
 
+def test_a_run_recorded_before_a_key_was_renamed_resumes(models, tmp_path):
+    """A record that holds algorithm.clip_high (before config/renamed.py) is read under its new
+    name: the same value resumes, another is a change named by the new key."""
+    claim_run_dir(tmp_path, check_run_dir(_cfg(models["a"], tmp_path)))
+    record = json.loads((tmp_path / PROVENANCE).read_text())
+    record["config"]["algorithm.clip_high"] = record["config"].pop("algorithm.clip.high")
+    (tmp_path / PROVENANCE).write_text(json.dumps(record))
+    check_run_dir(_cfg(models["a"], tmp_path))
+    record["config"]["algorithm.clip_high"] = 0.2
+    (tmp_path / PROVENANCE).write_text(json.dumps(record))
+    with pytest.raises(RunDirError, match=r"different config \(algorithm.clip.high: 0.2 -> 0.28\)"):
+        check_run_dir(_cfg(models["a"], tmp_path))
+
+
 def test_previous_outputs_without_record_are_refused(models, tmp_path):
     (tmp_path / "init_megatron").mkdir()
     with pytest.raises(RunDirError, match="holds init_megatron but no provenance.json"):

@@ -5,7 +5,7 @@ For each layout tpXppY and each architecture folder ARCH (WORKDIR/ARCH/hf): conv
 (trainer.actor.convert_initial_checkpoint), build a MegatronActor at that layout (world size /
 (X*Y) data-parallel replicas), move every parameter off its converted value (per-rank noise, so a
 piece sent from the wrong rank or placed at the wrong offset shows), then stream
-`hf_tensors_in_memory()` on every rank with dist_checkpointing's save and load and the
+`publisher.hf_tensors_in_memory()` on every rank with dist_checkpointing's save and load and the
 construction of any transformers model replaced by functions that raise, and compare rank 0's stream with `hf_tensors(save_weights(...))`: same HF
 names in the same order, bit-equal tensors. Rank 0 writes WORKDIR/ARCH/result_<layout>.json.
 """
@@ -55,12 +55,12 @@ def check(folder: Path, tag: str, fp8: str) -> None:
         for param in actor.model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.01)
     with no_checkpoint_and_no_other_model():
-        memory = list(actor.hf_tensors_in_memory())
+        memory = list(actor.publisher.hf_tensors_in_memory())
     directory = actor.save_weights(folder / f"sync_{tag}")
     if dist.get_rank() != 0:
         assert memory == [], f"rank {dist.get_rank()} yielded {len(memory)} tensors"
         return
-    disk = list(actor.hf_tensors(directory))
+    disk = list(actor.publisher.hf_tensors(directory))
     names = [name for name, _ in memory]
     assert names == [name for name, _ in disk], (names, [name for name, _ in disk])
     for (name, ours), (_, theirs) in zip(memory, disk):
