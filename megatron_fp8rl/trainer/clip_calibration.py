@@ -47,6 +47,7 @@ class ClipCalibrator:
         self.configured = ClipBounds.from_epsilons(algo.clip.low, algo.clip.high)
         self.limits: ClipLimits = algo.calibration.limits
         self.applies = algo.calibration.mode == "shadow"
+        self.rule, self.noise_tail = algo.calibration.rule, algo.calibration.noise_tail
         """Whether calibrations set the bounds (shadow) or are only reported (monitor)."""
         self.calibrated: ClipBounds | None = None
         """The bounds in force after the last successful calibration; None before the first."""
@@ -79,7 +80,7 @@ class ClipCalibrator:
         ratio, shadow_values, adv = _gathered(torch.stack([ratio, shadow_values, adv]))
         previous = self.bounds
         self.last = calibrate(ratio, shadow_values, adv, self.configured, previous, self.calibrated,
-                              self.limits, self.smoothing)
+                              self.limits, self.smoothing, self.rule, self.noise_tail)
         if self.last.skipped:
             self.skipped += 1
         else:
@@ -99,6 +100,8 @@ class ClipCalibrator:
                 "clip/alpha": last.alpha if last else math.nan,
                 "clip/balance_shadow": last.balance_shadow if last else math.nan,
                 "clip/balance_fp8": last.balance_fp8 if last else math.nan,
+                "clip/low_at_limit": float(last.low_at_limit) if last else math.nan,
+                "clip/high_at_limit": float(last.high_at_limit) if last else math.nan,
                 "clip/calibrations": float(self.calibrations), "clip/calibrations_skipped": float(self.skipped)}
 
     def state_dict(self) -> dict:

@@ -17,7 +17,7 @@ from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError,
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.models.te_recipe import megatron_fp8_fields
-from megatron_fp8rl.rl.calibrated_clipping import ClipLimits
+from megatron_fp8rl.rl.calibrated_clipping import CALIBRATION_RULES, ClipLimits
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
 from megatron_fp8rl.rollout.sglang_common import SGLANG_DTYPES, SGLangSettings
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
@@ -247,6 +247,13 @@ class CalibrationConfig:
     limits: ClipLimits = field(default_factory=ClipLimits)
     """Where calibrated bounds may go (rl/calibrated_clipping.py ClipLimits: low_min, low_max,
     high_min, high_max, ratios, not epsilons)."""
+    rule: str = "quantile"
+    """How L is calibrated (rl/calibrated_clipping.py CALIBRATION_RULES): quantile (the paper's
+    α-quantile of the FP8 ratios; at small α it sits at limits.low_min, logged as clip/low_at_limit)
+    or noise (ours: L = (1 − clip.low)·exp(q_δ(log r − log r_shadow)), δ = noise_tail, so FP8
+    over-clips at most δ of the tokens high precision leaves at its bound, whatever α is)."""
+    noise_tail: float = 0.01
+    """δ in (0, 0.5) of rule=noise."""
 
     def __post_init__(self):
         _check(self.mode in CLIP_CALIBRATIONS, "algorithm.calibration.mode",
@@ -255,6 +262,9 @@ class CalibrationConfig:
                f"{self.level!r} is not one of {CLIP_CALIBRATION_LEVELS}")
         _check(self.every >= 1, "algorithm.calibration.every", f"must be >= 1, got {self.every}")
         _check(0 <= self.smoothing < 1, "algorithm.calibration.smoothing", f"must be in [0, 1), got {self.smoothing}")
+        _check(self.rule in CALIBRATION_RULES, "algorithm.calibration.rule",
+               f"{self.rule!r} is not one of {CALIBRATION_RULES}")
+        _check(0 < self.noise_tail < 0.5, "algorithm.calibration.noise_tail", f"must be in (0, 0.5), got {self.noise_tail}")
 
 
 @dataclass

@@ -47,6 +47,8 @@ def test_unknown_key_suggests_closest(capsys):
     ("data.arithmetic_ops=[add,pow]", r"data.arithmetic_ops: unknown \['pow'\]"),
     ("algorithm.agg_mode=sum", r"algorithm.agg_mode: 'sum' is not one of"),
     ("algorithm.clip.dual=0.5", r"algorithm.clip.dual: must be 0 \(off\) or a finite number > 1, got 0.5"),
+    ("algorithm.calibration.rule=median", r"algorithm.calibration.rule: 'median' is not one of"),
+    ("algorithm.calibration.noise_tail=0.5", r"algorithm.calibration.noise_tail: must be in \(0, 0.5\), got 0.5"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -219,6 +219,9 @@ def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
     low, high = scalars["clip/low"], scalars["clip/high"]
     assert all(0.5 <= v <= 0.95 for v in low) and all(1.05 <= v <= 2.0 for v in high)
     assert (low[0], high[0]) != (0.8, 1.28)  # the first calibration moved them
+    # each calibration says whether its bounds sit at a limit (here: in force from that step on)
+    assert scalars["clip/low_at_limit"] == [float(v in (0.5, 0.95)) for v in low]
+    assert scalars["clip/high_at_limit"] == [float(v in (1.05, 1.5)) for v in high]
     assert summary["reward/mean"] == summary["reward/mean"]
     state = json.loads(next((tmp_path / "checkpoints").rglob("trainer_state.json")).read_text())
     assert state["clip_calibration"]["calibrations"] == 2
