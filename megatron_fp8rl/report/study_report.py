@@ -14,6 +14,8 @@ Per run, from its tensorboard scalars (steps without a value skipped):
              the share x clip/neg_values (how many A<0 values the share is of) / their sum; a step
              with 3 such values counts 3, not as much as one with 90 (NaN for runs logged before
              clip/neg_values existed); neg_values: that sum
+- low_at_limit / high_at_limit   the share of steps whose calibrated L (H) sat at a limit
+             (clip/low_at_limit, clip/high_at_limit; NaN for runs that did not log them)
 - overclip_after   clip/neg_overclip_after, the same share with the bounds calibrated on that very
              step (in-sample; the `overclip` share is with the bounds in force, calibrated a step
              before): what no calibration of the bounds can remove
@@ -120,6 +122,8 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
         "overclip": _reduce(run, "clip/neg_overclip_before", np.mean),
         "overclip_max": _reduce(run, "clip/neg_overclip_before", np.max),
         "overclip_after": _reduce(run, "clip/neg_overclip_after", np.mean),
+        "low_at_limit": _reduce(run, "clip/low_at_limit", np.mean),
+        "high_at_limit": _reduce(run, "clip/high_at_limit", np.mean),
         "clip_low": _reduce(run, "train/clip_frac_low", np.mean),
         "entropy_first": float(entropy[1][0]) if entropy else math.nan,
         "entropy_last": _reduce(run, "train/entropy", lambda v: v[-TAIL:].mean()),
@@ -230,7 +234,7 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
                      f"{_fmt(cc['overclip'], percent=True)} (with bounds calibrated on the same step: "
                      f"{_fmt(cc['overclip_after'], percent=True)}); held-out accuracy {_fmt(plain['accuracy'])} -> "
                      f"{_fmt(cc['accuracy'])} ({reference}: {_fmt(ref['accuracy'])}); "
-                     + _paired_text(arms, reference, calibrated) + ".")
+                     + _paired_text(arms, reference, calibrated) + _limits_text(cc) + ".")
     for name in ("aligned", "aligned_cc"):
         if name in summaries:
             s = summaries[name]
@@ -239,6 +243,15 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
                          f"exactly 1), diagnostic on the later mini-batch {_fmt(s['overclip'], percent=True)}, "
                          f"accuracy {_fmt(s['accuracy'])}.")
     return lines
+
+
+def _limits_text(summary: dict[str, tuple[float, float, float]]) -> str:
+    """'; L at a limit on x of steps, H on y' where the runs logged clip/*_at_limit (a bound at
+    its limit is a clip turned off or maxed out, not calibrated), else ''."""
+    low, high = summary["low_at_limit"], summary["high_at_limit"]
+    if not math.isfinite(low[0]):
+        return ""
+    return f"; L at a limit on {_fmt(low, percent=True)} of steps, H on {_fmt(high, percent=True)}"
 
 
 def _collapse_line(arms: dict[str, list[RunFigures]]) -> str:

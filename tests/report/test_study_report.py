@@ -42,7 +42,8 @@ def study(tmp_path):
                  "2": _run(tmp_path / "r2", _scalars(), {0: [0] * 10, 8: ref_eval})},
         "tensorwise": {"1": _run(tmp_path / "t1", _scalars([0.05] * 8, entropy_end=2.0, no_number=0.3), {8: bad_eval}),
                        "2": _run(tmp_path / "t2", _scalars([0.03] * 8, entropy_end=1.8, no_number=0.3), {8: bad_eval})},
-        "tensorwise_cc": {"1": _run(tmp_path / "c1", _scalars([0.002] * 8), {8: ref_eval})},
+        "tensorwise_cc": {"1": _run(tmp_path / "c1", {**_scalars([0.002] * 8), "clip/low_at_limit": [1.0] * 6 + [0.0] * 2,
+                                                     "clip/high_at_limit": [0.0] * 8}, {8: ref_eval})},
     }
     return tmp_path, runs
 
@@ -64,6 +65,7 @@ def test_verdict_names_the_overclipping_arm_and_the_paired_tests(study):
     assert "entropy surges" in lines and "output garbles" in lines  # drift 1.9 > 1.5; +30 points no-number
     assert "over-clipping from step 1, entropy surge from step 4" in lines  # entropy 1.0 at steps 1-3
     assert "diagnostic 4.0% [3.0%, 5.0%] -> 0.2% (with bounds calibrated on the same step: 0.1%)" in lines
+    assert "L at a limit on 75.0% of steps, H on 0.0%." in lines
     expected = paired_eval_change([bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]], [bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]])
     assert f"seed 1: 0 gained / 0 lost, p = {expected['mcnemar_p']:.2g}" in lines
 
