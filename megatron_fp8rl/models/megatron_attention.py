@@ -36,7 +36,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
 from megatron_fp8rl.compat.versions import check_signature
-from megatron_fp8rl.models.aligned_threads import single_threaded
+from megatron_fp8rl.fp8.linear import tiled_matmul
+from megatron_fp8rl.models.served_arithmetic import single_threaded
 
 _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
 
@@ -100,11 +101,11 @@ class SdpaAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3)
 
     def _sglang_calls(self, query, key, value, prompt_lengths, gqa):
-        """SGLang torch_native's calls (torch_native_backend._run_sdpa_forward_extend/_decode):
-        the prompt in one causal call with a contiguous [heads, prompt, dim] query, then each
-        later row as a one-query call against the keys up to itself. Sequences that need the
-        same call shape share one batched call: torch's SDPA computes every (batch, head) slice
-        alone, so the batch size does not change a slice's bits."""
+        """SGLang torch_native's calls as our plugin makes them (models/served_arithmetic.py):
+        every row, prompt and generated alike, a one-query call against the keys up to itself
+        (decode's call; the plugin's extend makes the same one per prompt row, whatever part of the
+        prompt the radix cache held). The sequences of a batch share each row's call: torch's SDPA
+        computes every (batch, head) slice alone, so the batch size does not change a slice's bits."""
         if len(prompt_lengths) != query.shape[1]:
             raise ValueError(f"sglang_call_layout: {len(prompt_lengths)} prompt lengths for a batch of "
                              f"{query.shape[1]} sequences")
@@ -112,20 +113,15 @@ class SdpaAttention(DotProductAttention):
         if bad:
             raise ValueError(f"sglang_call_layout: prompt length {bad[0]} outside 1..{query.shape[0]} "
                              f"(the batch's sequence length)")
-        with single_threaded():  # SGLang's side runs them with one thread too (aligned_threads.py)
-            return self._sglang_call_loop(query, key, value, prompt_lengths, gqa)
+        with single_threaded():  # SGLang's side runs them with one thread too (served_arithmetic.py)
+            return self._sglang_call_loop(query, key, value, gqa)
 
-    def _sglang_call_loop(self, query, key, value, prompt_lengths, gqa):
-        prompts = torch.tensor(prompt_lengths)
+    def _sglang_call_loop(self, query, key, value, gqa):
         context = torch.empty_like(query)
-        for prompt in sorted(set(prompt_lengths)):
-            seqs = (prompts == prompt).nonzero()[:, 0]
-            q = query[:prompt, seqs].permute(1, 2, 0, 3).contiguous()
-            context[:prompt, seqs] = self._sdpa(q, key[:prompt, seqs], value[:prompt, seqs], True, gqa)
-        for row in range(min(prompt_lengths), query.shape[0]):
-            seqs = (prompts <= row).nonzero()[:, 0]
-            q = query[row:row + 1, seqs].permute(1, 2, 0, 3)
-            context[row:row + 1, seqs] = self._sdpa(q, key[:row + 1, seqs], value[:row + 1, seqs], False, gqa)
+        for row in range(query.shape[0]):  # contiguous copies, the layouts the calls were matched in
+            q = query[row:row + 1].contiguous().permute(1, 2, 0, 3)
+            k, v = key[:row + 1].contiguous(), value[:row + 1].contiguous()
+            context[row:row + 1] = self._sdpa(q, k, v, False, gqa)
         return context
 
     def _sdpa(self, q, k, v, causal, gqa):
@@ -158,3 +154,30 @@ def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:
     """A local GPT layer spec with its core attention replaced by SdpaAttention (in place)."""
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec
+
+
+def serve_output_layer_in_tiles(model: torch.nn.Module) -> None:
+    """Inside `sglang_call_layout`, the model's float32 CPU output layer (Megatron's
+    ColumnParallelLinear `output_layer`, when this stage has one) computes its logits TILE_ROWS rows
+    per GEMM (fp8/linear.py `tiled_matmul`), as our SGLang plugin's lm_head does
+    (served_arithmetic.tile_cpu_lm_head): a row's logits then do not depend on how many rows share
+    the call. Under autograd the value is the tiles', the gradient the usual GEMM's. Outside the
+    layout, or for other dtypes and devices, Megatron's own GEMM. In place."""
+    layer = getattr(model, "output_layer", None)
+    if layer is None:
+        return
+    original = layer._forward_impl
+
+    def forward_impl(input, weight, *args, **kwargs):
+        if (_PROMPT_LENGTHS.get() is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or kwargs.get("sequence_parallel")):
+            return original(input, weight, *args, **kwargs)
+        if kwargs.get("bias") is not None:
+            raise ValueError("serve_output_layer_in_tiles: the output layer has a bias; SGLang's lm_head has none")
+        served = tiled_matmul(input.detach().reshape(-1, input.shape[-1]), weight.detach())
+        served = served.reshape(*input.shape[:-1], weight.shape[0])
+        if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad):
+            return _ValueOf.apply(original(input, weight, *args, **kwargs), served)
+        return served
+
+    layer._forward_impl = forward_impl
