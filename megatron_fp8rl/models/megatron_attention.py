@@ -1,28 +1,26 @@
 """Megatron core attention computed with torch's SDPA, optionally call-for-call like SGLang.
 
-Owns: `SdpaAttention` (a drop-in for Megatron's local-spec DotProductAttention) and the
-`sglang_call_layout` context that makes it repeat SGLang's torch_native attention calls.
+Owns: `SdpaAttention` (a drop-in for Megatron's local-spec DotProductAttention), the
+`sglang_call_layout` context that makes it repeat SGLang's torch_native attention calls as our
+plugin serves them, and `serve_output_layer_in_tiles` (the output layer's logits in that layout).
 Must not import: sglang (it only mirrors SGLang's call shapes), nor anything above layer L2 (convert,
 rollout, data, trainer, cli).
 
-Why: on the CPU tier SGLang's torch_native backend runs `scaled_dot_product_attention` once per
-request: a causal call over the prompt at prefill (query and keys of the prompt's length) and, for
-every generated token, a one-query call against the keys so far. torch's CPU SDPA is not
-row-consistent: a row's output changes in the last bits with the call's shape (measured: every
-decode row of a [9 heads, T, 64] causal call differs by ~3e-7 from the same row computed alone,
-and prefix rows change with T). With FP8 activations those ulp differences flip FP8 codes and
-avalanche through 30 layers (DESIGN hazard 3), so the aligned rollout and the calibrated trainer
-disagree although their FP8 weights and scales are bit-identical. Repeating SGLang's calls (same
-shapes, same memory layouts, same scale and GQA flag) makes the attention outputs bit-identical.
+Why: torch's CPU SDPA is not row-consistent: a row's output changes in the last bits with the
+call's shape (measured: every decode row of a [9 heads, T, 64] causal call differs by ~3e-7 from
+the same row computed alone, and prefix rows change with T). With FP8 activations those ulp
+differences flip FP8 codes and avalanche through 30 layers (DESIGN hazard 3), so the aligned
+rollout and the calibrated trainer disagree although their FP8 weights and scales are
+bit-identical. Upstream SGLang computes a prompt in one causal call at prefill, but as an extend
+over whatever prefix its radix cache holds, whose keys another call computed (after an eval, its
+prompts'; issue #44). Our plugin (models/served_arithmetic.py) therefore serves every row, prompt
+and generated, as a one-query call against the keys up to itself, single-threaded, and this
+module repeats exactly those calls (same shapes, same memory layouts, same scale and GQA flag):
+the bits then depend on a row's own inputs only, whatever was cached, batched or chunked.
 
-A request whose prompt is partly in SGLang's radix cache (the 2nd..n-th sample of a prompt, or a
-shared system prompt) runs its extend with the query rows padded back to the full prompt length:
-the same call shape, so the same bits. Not reproduced: a prompt longer than SGLang's
-chunked_prefill_size (thousands of tokens), prefilled in several calls; its rows then differ in
-the last bits again. Outside the context it is one causal SDPA over the batch (with autograd),
-the training path; inside it under autograd (the aligned training forward of the first mini-batch)
-the served calls give the value and the batched call the gradient. TE's attention (GPU tier)
-ignores the context.
+Outside the context it is one causal SDPA over the batch (with autograd), the training path;
+inside it under autograd (the aligned training forward of the first mini-batch) the served calls
+give the value and the batched call the gradient. TE's attention (GPU tier) ignores the context.
 """
 from __future__ import annotations
 
@@ -44,10 +42,11 @@ _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_le
 
 @contextmanager
 def sglang_call_layout(prompt_lengths: Sequence[int]):
-    """Inside: every SdpaAttention forward over a [S, B] batch computes sequence b as SGLang's
-    torch_native backend serves it: prompt rows [0, prompt_lengths[b]) in one causal call, each
-    later row as a one-query call against the keys up to itself (rows past a sequence's end, the
-    padding, are computed the same way and mean nothing). About S calls a layer instead of one.
+    """Inside: every SdpaAttention forward over a [S, B] batch computes its rows as our plugin's
+    SGLang torch_native backend serves them: each row a one-query call against the keys up to
+    itself (rows past a sequence's end, the padding, are computed the same way and mean nothing;
+    `prompt_lengths` [B] are checked against the batch). S calls a layer instead of one; the
+    float32 CPU output layer computes its logits in 16-row tiles (`serve_output_layer_in_tiles`).
     Under autograd (a training forward) the output has these calls' value and the gradient of the
     one batched causal call, so the backward costs what it costs outside the layout."""
     token = _PROMPT_LENGTHS.set(tuple(int(p) for p in prompt_lengths))
