@@ -88,7 +88,8 @@ def write_issue_44_data(root: Path) -> tuple[Path, Path]:
 def test_aligned_smollm2_mismatch_is_exactly_zero_after_evals(tmp_path):
     """Issue #44's repro (the CPU demo's config, SmolLM2-135M, groupwise32 + aligned, 8 prompts x 8
     samples at temperature 1, 2 mini-batches) with an eval before each of 2 steps: the mismatch was
-    0.09 on every step after an eval; it must be exactly 0."""
+    0.09 on every step after an eval; it must be exactly 0. ~8 min on the shared 2-core box
+    (2026-12-05: 453 s, 1 torchrun process + SGLang's 2)."""
     from megatron_fp8rl.convert.smollm2 import materialize_smollm2
 
     model = materialize_smollm2(tmp_path / "smollm2")
