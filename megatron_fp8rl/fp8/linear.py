@@ -260,6 +260,13 @@ def _tiled_matmul_nt(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     return _tiles(a.dequantize(), b.dequantize().contiguous())
 
 
+def tiled_matmul(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """a [m, k] @ weight [n, k]^T in float32, TILE_ROWS rows of a per GEMM: a row's result does not
+    depend on m (how many rows share the call). The aligned lm_head on both sides (the trainer's
+    output layer in the served layout, SGLang's CPU lm_head: models/served_arithmetic.py)."""
+    return _tiles(a, weight.float().contiguous())
+
+
 def _tiles(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """a [m, k] @ weight [n, k]^T in fp32, TILE_ROWS rows of a per GEMM: one batched GEMM over the
     tiles (the weight broadcast to each; the last tile padded with zero rows), [m, n]; one call

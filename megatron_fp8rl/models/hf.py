@@ -29,7 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 from megatron_fp8rl.models.family import ModelFamily, UnsupportedModelError
 from megatron_fp8rl.models.gpt import build_gpt_model
-from megatron_fp8rl.models.megatron_attention import with_sdpa_attention
+from megatron_fp8rl.models.megatron_attention import serve_output_layer_in_tiles, with_sdpa_attention
 from megatron_fp8rl.models.megatron_fp8_linear import fp8_local_layer_spec
 from megatron_fp8rl.models.registry import family_for
 from megatron_fp8rl.models.rope import RopeSettings, apply_rope_scaling, rope_settings
@@ -247,6 +247,7 @@ def build_model_from_hf(
         device=device,
     )
     apply_rope_scaling(model, args.rope)
+    serve_output_layer_in_tiles(model)
     return model
 
 

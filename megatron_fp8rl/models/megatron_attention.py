@@ -1,28 +1,26 @@
 """Megatron core attention computed with torch's SDPA, optionally call-for-call like SGLang.
 
-Owns: `SdpaAttention` (a drop-in for Megatron's local-spec DotProductAttention) and the
-`sglang_call_layout` context that makes it repeat SGLang's torch_native attention calls.
+Owns: `SdpaAttention` (a drop-in for Megatron's local-spec DotProductAttention), the
+`sglang_call_layout` context that makes it repeat SGLang's torch_native attention calls as our
+plugin serves them, and `serve_output_layer_in_tiles` (the output layer's logits in that layout).
 Must not import: sglang (it only mirrors SGLang's call shapes), nor anything above layer L2 (convert,
 rollout, data, trainer, cli).
 
-Why: on the CPU tier SGLang's torch_native backend runs `scaled_dot_product_attention` once per
-request: a causal call over the prompt at prefill (query and keys of the prompt's length) and, for
-every generated token, a one-query call against the keys so far. torch's CPU SDPA is not
-row-consistent: a row's output changes in the last bits with the call's shape (measured: every
-decode row of a [9 heads, T, 64] causal call differs by ~3e-7 from the same row computed alone,
-and prefix rows change with T). With FP8 activations those ulp differences flip FP8 codes and
-avalanche through 30 layers (DESIGN hazard 3), so the aligned rollout and the calibrated trainer
-disagree although their FP8 weights and scales are bit-identical. Repeating SGLang's calls (same
-shapes, same memory layouts, same scale and GQA flag) makes the attention outputs bit-identical.
+Why: torch's CPU SDPA is not row-consistent: a row's output changes in the last bits with the
+call's shape (measured: every decode row of a [9 heads, T, 64] causal call differs by ~3e-7 from
+the same row computed alone, and prefix rows change with T). With FP8 activations those ulp
+differences flip FP8 codes and avalanche through 30 layers (DESIGN hazard 3), so the aligned
+rollout and the calibrated trainer disagree although their FP8 weights and scales are
+bit-identical. Upstream SGLang computes a prompt in one causal call at prefill, but as an extend
+over whatever prefix its radix cache holds, whose keys another call computed (after an eval, its
+prompts'; issue #44). Our plugin (models/served_arithmetic.py) therefore serves every row, prompt
+and generated, as a one-query call against the keys up to itself, single-threaded, and this
+module repeats exactly those calls (same shapes, same memory layouts, same scale and GQA flag):
+the bits then depend on a row's own inputs only, whatever was cached, batched or chunked.
 
-A request whose prompt is partly in SGLang's radix cache (the 2nd..n-th sample of a prompt, or a
-shared system prompt) runs its extend with the query rows padded back to the full prompt length:
-the same call shape, so the same bits. Not reproduced: a prompt longer than SGLang's
-chunked_prefill_size (thousands of tokens), prefilled in several calls; its rows then differ in
-the last bits again. Outside the context it is one causal SDPA over the batch (with autograd),
-the training path; inside it under autograd (the aligned training forward of the first mini-batch)
-the served calls give the value and the batched call the gradient. TE's attention (GPU tier)
-ignores the context.
+Outside the context it is one causal SDPA over the batch (with autograd), the training path;
+inside it under autograd (the aligned training forward of the first mini-batch) the served calls
+give the value and the batched call the gradient. TE's attention (GPU tier) ignores the context.
 """
 from __future__ import annotations
 
@@ -36,17 +34,19 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
 from megatron_fp8rl.compat.versions import check_signature
-from megatron_fp8rl.models.aligned_threads import single_threaded
+from megatron_fp8rl.fp8.linear import tiled_matmul
+from megatron_fp8rl.models.served_arithmetic import single_threaded
 
 _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
 
 
 @contextmanager
 def sglang_call_layout(prompt_lengths: Sequence[int]):
-    """Inside: every SdpaAttention forward over a [S, B] batch computes sequence b as SGLang's
-    torch_native backend serves it: prompt rows [0, prompt_lengths[b]) in one causal call, each
-    later row as a one-query call against the keys up to itself (rows past a sequence's end, the
-    padding, are computed the same way and mean nothing). About S calls a layer instead of one.
+    """Inside: every SdpaAttention forward over a [S, B] batch computes its rows as our plugin's
+    SGLang torch_native backend serves them: each row a one-query call against the keys up to
+    itself (rows past a sequence's end, the padding, are computed the same way and mean nothing;
+    `prompt_lengths` [B] are checked against the batch). S calls a layer instead of one; the
+    float32 CPU output layer computes its logits in 16-row tiles (`serve_output_layer_in_tiles`).
     Under autograd (a training forward) the output has these calls' value and the gradient of the
     one batched causal call, so the backward costs what it costs outside the layout."""
     token = _PROMPT_LENGTHS.set(tuple(int(p) for p in prompt_lengths))
@@ -100,11 +100,11 @@ class SdpaAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3)
 
     def _sglang_calls(self, query, key, value, prompt_lengths, gqa):
-        """SGLang torch_native's calls (torch_native_backend._run_sdpa_forward_extend/_decode):
-        the prompt in one causal call with a contiguous [heads, prompt, dim] query, then each
-        later row as a one-query call against the keys up to itself. Sequences that need the
-        same call shape share one batched call: torch's SDPA computes every (batch, head) slice
-        alone, so the batch size does not change a slice's bits."""
+        """SGLang torch_native's calls as our plugin makes them (models/served_arithmetic.py):
+        every row, prompt and generated alike, a one-query call against the keys up to itself
+        (decode's call; the plugin's extend makes the same one per prompt row, whatever part of the
+        prompt the radix cache held). The sequences of a batch share each row's call: torch's SDPA
+        computes every (batch, head) slice alone, so the batch size does not change a slice's bits."""
         if len(prompt_lengths) != query.shape[1]:
             raise ValueError(f"sglang_call_layout: {len(prompt_lengths)} prompt lengths for a batch of "
                              f"{query.shape[1]} sequences")
@@ -112,20 +112,15 @@ class SdpaAttention(DotProductAttention):
         if bad:
             raise ValueError(f"sglang_call_layout: prompt length {bad[0]} outside 1..{query.shape[0]} "
                              f"(the batch's sequence length)")
-        with single_threaded():  # SGLang's side runs them with one thread too (aligned_threads.py)
-            return self._sglang_call_loop(query, key, value, prompt_lengths, gqa)
+        with single_threaded():  # SGLang's side runs them with one thread too (served_arithmetic.py)
+            return self._sglang_call_loop(query, key, value, gqa)
 
-    def _sglang_call_loop(self, query, key, value, prompt_lengths, gqa):
-        prompts = torch.tensor(prompt_lengths)
+    def _sglang_call_loop(self, query, key, value, gqa):
         context = torch.empty_like(query)
-        for prompt in sorted(set(prompt_lengths)):
-            seqs = (prompts == prompt).nonzero()[:, 0]
-            q = query[:prompt, seqs].permute(1, 2, 0, 3).contiguous()
-            context[:prompt, seqs] = self._sdpa(q, key[:prompt, seqs], value[:prompt, seqs], True, gqa)
-        for row in range(min(prompt_lengths), query.shape[0]):
-            seqs = (prompts <= row).nonzero()[:, 0]
-            q = query[row:row + 1, seqs].permute(1, 2, 0, 3)
-            context[row:row + 1, seqs] = self._sdpa(q, key[:row + 1, seqs], value[:row + 1, seqs], False, gqa)
+        for row in range(query.shape[0]):  # contiguous copies, the layouts the calls were matched in
+            q = query[row:row + 1].contiguous().permute(1, 2, 0, 3)
+            k, v = key[:row + 1].contiguous(), value[:row + 1].contiguous()
+            context[row:row + 1] = self._sdpa(q, k, v, False, gqa)
         return context
 
     def _sdpa(self, q, k, v, causal, gqa):
@@ -158,3 +153,30 @@ def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:
     """A local GPT layer spec with its core attention replaced by SdpaAttention (in place)."""
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec
+
+
+def serve_output_layer_in_tiles(model: torch.nn.Module) -> None:
+    """Inside `sglang_call_layout`, the model's float32 CPU output layer (Megatron's
+    ColumnParallelLinear `output_layer`, when this stage has one) computes its logits TILE_ROWS rows
+    per GEMM (fp8/linear.py `tiled_matmul`), as our SGLang plugin's lm_head does
+    (served_arithmetic.tile_cpu_lm_head): a row's logits then do not depend on how many rows share
+    the call. Under autograd the value is the tiles', the gradient the usual GEMM's. Outside the
+    layout, or for other dtypes and devices, Megatron's own GEMM. In place."""
+    layer = getattr(model, "output_layer", None)
+    if layer is None:
+        return
+    original = layer._forward_impl
+
+    def forward_impl(input, weight, *args, **kwargs):
+        if (_PROMPT_LENGTHS.get() is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or kwargs.get("sequence_parallel")):
+            return original(input, weight, *args, **kwargs)
+        if kwargs.get("bias") is not None:
+            raise ValueError("serve_output_layer_in_tiles: the output layer has a bias; SGLang's lm_head has none")
+        served = tiled_matmul(input.detach().reshape(-1, input.shape[-1]), weight.detach())
+        served = served.reshape(*input.shape[:-1], weight.shape[0])
+        if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad):
+            return _ValueOf.apply(original(input, weight, *args, **kwargs), served)
+        return served
+
+    layer._forward_impl = forward_impl

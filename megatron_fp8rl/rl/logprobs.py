@@ -12,7 +12,9 @@ product) and autograd keeps some of them for backward. Here the forward walks ov
 holding two fp32 [chunk, V] buffers (reused) and saves only the logits (a reference, not a copy)
 and four [N] vectors; the backward recomputes each chunk's softmax and writes the gradient
 straight into one logits-shaped tensor. Arithmetic is fp32 (fp64 for fp64 logits) whatever the
-logits' dtype. Logits must be finite.
+logits' dtype. Logits must be finite. On one vocab shard at τ = 1 the logprob is torch.log_softmax
+at the target (SGLang's formula, so aligned rollouts and their recompute share the bits); the
+entropy and the gradient come from the max-shifted sums as below.
 
 Vocab parallel (Megatron's layout, as in `vocab_parallel_cross_entropy`): rank r of the tensor-
 parallel group holds logits[..., r·V_p : (r+1)·V_p]; target ids are global. The forward needs two
@@ -135,6 +137,19 @@ def _local_targets(target_ids: torch.Tensor, shard_vocab: int, group) -> tuple[t
     return torch.where(in_shard, local, torch.zeros_like(local)), in_shard
 
 
+def _is_one_shard(group) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def _log_softmax_at(logits_chunk: torch.Tensor, targets: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """torch.log_softmax over the full vocabulary at temperature 1, at each row's target: the
+    formula SGLang's sampler returns its logprobs with (sampler.py, deterministic inference), so an
+    aligned recompute has the rollout's bits (the max-shifted sums round apart from it by ~1e-6,
+    issue #44). `buffer` [count, V] receives the log-softmax."""
+    torch.log_softmax(logits_chunk.to(buffer.dtype), dim=1, out=buffer)
+    return buffer.gather(1, targets[:, None]).squeeze(1)
+
+
 def _all_reduce(tensor: torch.Tensor, op, group) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
@@ -155,9 +170,13 @@ class _LogprobEntropy(torch.autograd.Function):
         # Per-row sums over this shard with z' = z − max z: Σ exp(z'), Σ exp(z')·z', and z'_target
         # (0 when the target lives on another rank).
         sums = torch.zeros(3, num_rows, dtype=buffers.dtype, device=logits.device)
+        log_softmax = _is_one_shard(group) and temperature == 1.0
+        direct = torch.empty(num_rows if log_softmax else 0, dtype=buffers.dtype, device=logits.device)
         for start in range(0, num_rows, chunk_rows):
             rows = slice(start, start + chunk_rows)
             count = min(chunk_rows, num_rows - start)
+            if log_softmax:  # SGLang's formula, so the same bits (`_log_softmax_at`)
+                direct[rows] = _log_softmax_at(logits[rows], local_targets[rows], buffers[1, :count])
             shifted = _scaled_minus(buffers[0, :count], logits[rows], temperature, row_max[rows])
             target_shifted = shifted.gather(1, local_targets[rows, None]).squeeze(1)
             sums[2, rows] = torch.where(in_shard[rows], target_shifted, 0.0)
@@ -166,7 +185,7 @@ class _LogprobEntropy(torch.autograd.Function):
             sums[1, rows] = exp_shifted.mul_(shifted).sum(dim=1)
         _all_reduce(sums, dist.ReduceOp.SUM, group)
         shifted_normalizer = sums[0].log()
-        logprobs = sums[2] - shifted_normalizer
+        logprobs = direct if log_softmax else sums[2] - shifted_normalizer
         entropy = shifted_normalizer - sums[1] / sums[0]
         log_normalizer = row_max + shifted_normalizer  # logsumexp_j z_j over the whole vocabulary
         ctx.save_for_backward(logits, local_targets, in_shard, log_normalizer, entropy)

@@ -3,7 +3,7 @@
 Owns: `Fp8RLConfig` (SGLang `QuantizationConfig`, method name `OUR_FP8_METHOD`), its linear method
 `Fp8RLLinearMethod`, and `register()`, the `sglang.srt.plugins` entry point (setup.py) that SGLang's
 `load_plugins()` runs in its main process, scheduler and detokenizer; it also pins SGLang's
-torch_native attention calls to one thread (models/aligned_threads.py), as the trainer runs them,
+torch_native attention calls to one thread (models/served_arithmetic.py), as the trainer runs them,
 and on the CPU engine runs the high-precision linears' and lm_head's bf16 GEMMs as the trainer's
 CPU shims do (compat/bf16_gemm.py: fp32 GEMM of the bf16 values, rounded once).
 Which layers are decoder linears, how SGLang fuses them and the shard ids its loaders pass are the
@@ -62,7 +62,7 @@ from megatron_fp8rl.fp8.quantize import (
     quantize_with_scale_inv,
     transposed_codes,
 )
-from megatron_fp8rl.models.aligned_threads import pin_torch_native_attention_threads
+from megatron_fp8rl.models.served_arithmetic import align_torch_native_attention, tile_cpu_lm_head
 from megatron_fp8rl.models.family import DecoderLinear, ModelFamily
 from megatron_fp8rl.models.registry import family_for
 from megatron_fp8rl.rollout.sglang_common import OUR_FP8_METHOD
@@ -325,7 +325,8 @@ def register() -> None:
     from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
     from sglang.srt.layers import linear, quantization
 
-    pin_torch_native_attention_threads()  # the trainer repeats these calls single-threaded
+    align_torch_native_attention()  # one query row a call, one thread: the trainer repeats them
+    tile_cpu_lm_head()  # float32 lm_head in 16-row tiles, as the trainer's served-layout output layer
     patch_sglang_bf16_gemms()  # bf16 rollouts on CPU: the GPU's GEMM arithmetic, ~fp32 speed
 
     quantization.QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig

@@ -9,7 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_fp8rl.compat import sglang_cpu
-from megatron_fp8rl.models.aligned_threads import pin_torch_native_attention_threads
+from megatron_fp8rl.models.served_arithmetic import align_torch_native_attention
 from megatron_fp8rl.models.megatron_attention import SdpaAttention, sglang_call_layout
 
 HEADS, GROUPS, DIM = 9, 3, 64  # SmolLM2-135M's attention (GQA 3:1)
@@ -36,7 +36,7 @@ def _sglang_serving(q, k, v, prompts, lengths, cached):
     sglang_cpu.install()
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend as backend
 
-    pin_torch_native_attention_threads()  # what our SGLang plugin does in the scheduler
+    align_torch_native_attention()  # what our SGLang plugin does in the scheduler
 
     seq, batch = q.shape[:2]
     k_cache = k.transpose(0, 1).reshape(batch * seq, GROUPS, DIM).contiguous()
@@ -81,11 +81,14 @@ def _with_threads(count, fn, *args):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_call_layout_gives_sglang_torch_native_bits(megatron_tp1, dtype, threads):
     """Whatever thread count either side runs with (SGLang's scheduler and the trainer need not
-    agree): models/aligned_threads.py runs the aligned calls single-threaded on both."""
-    prompts, lengths, cached = [13, 20, 13, 7], [40, 31, 36, 25], [0, 0, 12, 0]
+    agree): models/served_arithmetic.py runs the aligned calls single-threaded on both."""
+    prompts, lengths, cached = [13, 20, 13, 7], [40, 31, 36, 25], [0, 0, 12, 5]
     q, k, v = _qkv(40, 4, dtype)
     k[:13, 2], v[:13, 2] = k[:13, 0], v[:13, 0]  # request 2 shares request 0's prompt (radix hit)
     q[:13, 2] = q[:13, 0]
+    # request 3's first 5 tokens were cached by request 1, a prompt of another length (after an
+    # eval, issue #44): its keys came from a 20-row prefill, its own 2 prompt rows are an extend
+    k[:5, 3], v[:5, 3], q[:5, 3] = k[:5, 1], v[:5, 1], q[:5, 1]
     expected = _with_threads(threads[0], _sglang_serving, q, k, v, prompts, lengths, cached)
 
     def trainer():
@@ -96,6 +99,7 @@ def test_call_layout_gives_sglang_torch_native_bits(megatron_tp1, dtype, threads
     for b, length in enumerate(lengths):
         assert torch.equal(ours[cached[b]:length, b], expected[cached[b]:length, b]), f"sequence {b}"
     assert torch.equal(ours[:12, 2], expected[:12, 0])  # the cached rows were served for request 0
+    assert torch.equal(ours[:5, 3], expected[:5, 1])  # and these for request 1
 
 
 def test_outside_the_layout_it_is_megatron_causal_attention(megatron_tp1):
