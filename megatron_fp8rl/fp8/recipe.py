@@ -7,8 +7,10 @@ from each tensor's own amax) and `BlockwiseScaling` (128x128 weights, 1x128 acti
 gradients; `groupwise()`: 1x128 weight groups too). These specs are TE-free: our FP8 linear reads them directly, and
 megatron_fp8rl/models/te_recipe.py translates `CalibratedDelayedScaling` into a subclass of TE's
 `DelayedScaling`, so both tiers compute scales from the same fields with the same functions.
-Also owns the recipe names (`RECIPE_NAMES`, `recipe_by_name`) and `RecipeOverrides`, the run
-config's typed overlay of every recipe field (trainer/config.py nests it as model.fp8_recipe).
+Also owns the recipe names (`RECIPE_NAMES`, `recipe_by_name`), what each named recipe promises the
+rollout (`RecipePromises`, `promises`; fp8/serving.py builds the serving plan from them: no other
+module compares recipe names) and `RecipeOverrides`, the run config's typed overlay of every recipe
+field (trainer/config.py nests it as model.fp8_recipe).
 Must not import: megatron, transformer_engine, megatron_fp8rl.compat or anything above layer L0.
 """
 from __future__ import annotations
@@ -188,6 +190,51 @@ FIXED_FIELDS = {"groupwise": ("weight_block", "activation_block"),
                 "groupwise32": ("weight_block", "activation_block")}
 """Fields a name fixes: they are what the name means (groupwise's 1x128 and groupwise32's 1x32
 row groups are what aligned rollouts recompute; other blocks are the blockwise recipe)."""
+
+
+@dataclass(frozen=True)
+class RecipePromises:
+    """What a named recipe promises the rollout that serves its FP8 arithmetic (rollout.fp8=aligned)."""
+
+    shares_scales: bool = False
+    """One per-tensor weight and input scale per linear, which the rollout serves as the trainer's
+    (frozen by its recompute; trainer/rollout_fp8.py)."""
+    row_group: Optional[int] = None
+    """G when weights and tokens are quantized in stateless 1 x G row groups from their own values:
+    the rollout recomputes them, nothing to share; None otherwise."""
+    not_aligned_because: str = ""
+    """Why an aligned rollout cannot serve it, when neither of the above holds ('' gives no reason)."""
+
+    @property
+    def servable_aligned(self) -> bool:
+        """Whether rollout.fp8=aligned can serve this recipe (shared scales or row groups)."""
+        return self.shares_scales or self.row_group is not None
+
+
+_BLOCKWISE_NOT_ALIGNED = ("blockwise's 128x128 weight blocks cut across the q/k/v rows Megatron fuses and "
+                          "interleaves, so SGLang's per-tensor blocks differ; groupwise's 1x128 groups do not")
+PROMISES = {
+    "calibrated": RecipePromises(shares_scales=True),
+    "te_delayed": RecipePromises(shares_scales=True),
+    "megatron_delayed": RecipePromises(shares_scales=True),
+    "tensorwise": RecipePromises(),
+    "blockwise": RecipePromises(not_aligned_because=_BLOCKWISE_NOT_ALIGNED),
+    "groupwise": RecipePromises(row_group=groupwise().weight_block[1]),
+    "groupwise32": RecipePromises(row_group=groupwise32().weight_block[1]),
+}
+"""Recipe name -> what it promises; the row groups are the named recipes' own (FIXED_FIELDS)."""
+
+
+def promises(name: str) -> RecipePromises:
+    """What the recipe called `name` promises the rollout; ValueError listing the valid names."""
+    if name not in PROMISES:
+        raise ValueError(f"unknown FP8 recipe {name!r}; valid: {', '.join(RECIPE_NAMES)}")
+    return PROMISES[name]
+
+
+def aligned_recipe_names() -> tuple[str, ...]:
+    """The recipe names an aligned rollout can serve, in RECIPE_NAMES order."""
+    return tuple(name for name in RECIPE_NAMES if PROMISES[name].servable_aligned)
 
 
 class RecipeFieldError(ValueError):

@@ -47,3 +47,19 @@ def test_bad_fields_raise_value_errors_naming_them(build, message):
 def test_recipe_by_name_passes_fields():
     assert recipe_by_name("calibrated", margin=0).margin == 0
     assert recipe_by_name("te_delayed", fp8_format="e4m3").fp8_format == "e4m3"
+
+
+def test_every_named_recipe_says_what_it_promises_the_rollout():
+    from megatron_fp8rl.fp8.recipe import PROMISES, RECIPE_NAMES, aligned_recipe_names, promises
+
+    assert set(PROMISES) == set(RECIPE_NAMES)
+    assert aligned_recipe_names() == ("calibrated", "te_delayed", "megatron_delayed", "groupwise", "groupwise32")
+    assert [promises(name).row_group for name in ("groupwise", "groupwise32", "blockwise")] == [128, 32, None]
+    assert promises("calibrated").shares_scales and not promises("groupwise").shares_scales
+    assert "128x128" in promises("blockwise").not_aligned_because and not promises("tensorwise").servable_aligned
+    # the row group is the recipe's own: both its weight and activation blocks
+    for name in ("groupwise", "groupwise32"):
+        recipe = recipe_by_name(name)
+        assert recipe.weight_block == recipe.activation_block == (1, promises(name).row_group)
+    with pytest.raises(ValueError, match="unknown FP8 recipe 'nope'"):
+        promises("nope")
