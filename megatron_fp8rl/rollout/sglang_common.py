@@ -3,9 +3,10 @@ translation of our sampling parameters into SGLang's, and of SGLang's outputs in
 
 Owns: `SGLangSettings` (the run config's rollout section is one), `SGLangConfig`, `MEMORY_TAGS`,
 `engine_kwargs`, `server_argv`, `sglang_sampling`, `parse_outputs`, and the rollout FP8 modes
-(`ROLLOUT_FP8`, `ACTIVATION_SCHEMES`, `FP8_BACKENDS`, `check_aligned_backend`,
-`check_fp8_checkpoint`): which FP8 checkpoint layout each mode serves and which SGLang
-quantization method serves it. trainer/config.py takes these names and checks from here.
+(`ACTIVATION_SCHEMES`, `FP8_BACKENDS`, `check_aligned_backend`, `check_fp8_checkpoint`): which
+SGLang quantization method serves each mode, and the check that the served checkpoint has a layout
+the mode loads (the modes themselves, `RolloutFp8`/`ROLLOUT_FP8`, and their layouts are
+fp8/serving.py's). trainer/config.py takes these names and checks from here.
 Must not import: convert, data, trainer, cli; and not sglang itself (the server client
 never imports it).
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_fp8rl.fp8.serving import ROLLOUT_FP8, RolloutFp8, served_layouts
 from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
 
 # SGLang returns logprobs of logits / temperature unless this is set in its scheduler's environment
@@ -28,7 +30,6 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 """SGLang's memory kinds that `release_memory_occupation` frees (its GPU_MEMORY_ALL_TYPES)."""
 OUR_FP8_METHOD = "fp8rl"
 """SGLang quantization method name of rollout/sglang_fp8.py (registered by its plugin)."""
-ROLLOUT_FP8 = ("none", "blockwise", "per_tensor", "aligned")
 """none: serve the checkpoint's dtype; blockwise: 128x128 weight blocks with 1x128 activation
 groups; per_tensor: per-tensor weights, activations per `activation_scheme`; aligned: the trainer's
 own FP8 quantization (a per-tensor static checkpoint whose weight syncs carry the trainer's
@@ -110,6 +111,11 @@ class SGLangSettings:
     def resolved_device(self) -> str:
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
+    @property
+    def fp8_mode(self) -> RolloutFp8:
+        """`fp8` as the typed rollout FP8 mode (fp8/serving.py)."""
+        return RolloutFp8(self.fp8)
+
 
 @dataclass
 class SGLangConfig(SGLangSettings):
@@ -140,20 +146,14 @@ class SGLangConfig(SGLangSettings):
     def fp8_layouts(self) -> tuple[tuple[str, str], ...]:
         """The (scheme 'block'|'tensor', activation scheme) layouts the served checkpoint may
         have; () when the rollout is not FP8. aligned: per-tensor static (a shared-scale trainer
-        recipe) or block dynamic (a row-group recipe's 1x128 weight groups)."""
-        if self.fp8 == "none":
-            return ()
-        if self.fp8 == "blockwise":
-            return (("block", "dynamic"),)
-        if self.fp8 == "aligned":
-            return ("tensor", "static"), ("block", "dynamic")
-        return (("tensor", self.activation_scheme),)
+        recipe) or block dynamic (a row-group recipe's 1x128 weight groups): fp8/serving.py."""
+        return served_layouts(self.fp8, self.activation_scheme)
 
 
 def check_aligned_backend(fp8: str, fp8_backend: str) -> None:
     """fp8=aligned is served by our method only; ValueError otherwise (SGLangConfig's check and
     RunConfig's rollout.fp8_backend check)."""
-    if fp8 == "aligned" and fp8_backend != "ours":
+    if RolloutFp8(fp8) is RolloutFp8.ALIGNED and fp8_backend != "ours":
         raise ValueError(f"fp8=aligned needs fp8_backend='ours', found {fp8_backend!r} (SGLang's native "
                          "kernels do not compute the trainer's FP8 arithmetic)")
 
@@ -221,7 +221,7 @@ def engine_kwargs(config: SGLangConfig) -> dict:
         kwargs["enable_deterministic_inference"] = True
     if config.memory_saver or (config.memory_saver is None and config.resolved_device() == "cuda"):
         kwargs["enable_memory_saver"] = True
-    if config.fp8 != "none":
+    if config.fp8_mode is not RolloutFp8.NONE:
         kwargs["quantization"] = OUR_FP8_METHOD if config.fp8_backend == "ours" else "fp8"
     kwargs.update(config.extra)
     return kwargs

@@ -24,6 +24,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron, main_replica_shards
 from megatron_fp8rl.convert.integrity import verify_torch_dist
 from megatron_fp8rl.fp8.quantizer import weights_updated
+from megatron_fp8rl.fp8.serving import plan_for
 from megatron_fp8rl.models.hf import build_conversion_target, build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.models.megatron_attention import sglang_call_layout
 from megatron_fp8rl.models.megatron_fp8_linear import frozen_fp8_scales
@@ -111,6 +112,8 @@ class MegatronActor:
         self.optimizer = build_optimizer(self.model, train_cfg)
         self.model_cfg, self.train_cfg, self.objective = model_cfg, train_cfg, objective
         self.rollout_fp8 = rollout_fp8
+        self.serving = plan_for(rollout_fp8, model_cfg.fp8)
+        """The FP8 serving plan of (model.fp8, rollout.fp8): aligned recomputes run as served."""
         self.publisher = WeightPublisher(self.model, self.hf_config, model_cfg.fp8, rollout_fp8)
         """Where the weights go out: the rollout snapshot, the served FP8 scales (weight_publisher.py)."""
         self.calibrator = ClipCalibrator(objective.algo) if objective.algo.calibration.mode != "none" else None
@@ -167,7 +170,7 @@ class MegatronActor:
         micro = micro_batches(batch, self.train_cfg.micro_batch_size)
         scales = self.publisher.served_scales()
         with nullcontext() if scales is None else self.frozen_fp8(scales):
-            per_micro = self.logprobs(micro, as_served=self.rollout_fp8 == "aligned")
+            per_micro = self.logprobs(micro, as_served=self.serving.aligned)
         return (torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs))[:batch.size]
 
     def update(self, batch: RolloutBatch, old_logprobs: torch.Tensor | None, step: int) -> dict[str, float]:
@@ -194,7 +197,7 @@ class MegatronActor:
             terms = MiniBatchTerms(self.objective.denominator(mini, self.train_cfg.micro_batch_size, dp_size),
                                    noise, at_old_policy=index == 0, clip_bounds=calibrator and calibrator.calibrated,
                                    capture=captured if index == target else None)
-            as_served = index == 0 and self.rollout_fp8 == "aligned"
+            as_served = index == 0 and self.serving.aligned
             with self._served_fp8() if as_served else nullcontext():
                 losses = forward_backward(self.model, self.optimizer, micro,
                                           self._forward_as_served if as_served else self._forward,

@@ -14,6 +14,7 @@ from typing import ClassVar
 from megatron_fp8rl.config.renamed import RENAMED_KEYS
 from megatron_fp8rl.data.arithmetic import OPERATIONS
 from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name
+from megatron_fp8rl.fp8.serving import Fp8ServingPlan, RolloutFp8, plan_for
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.models.te_recipe import megatron_fp8_fields
@@ -30,24 +31,6 @@ OLD_POLICIES = ("decoupled", "bypass")
 ROLLOUT_MODES = ("colocated", "disaggregated")
 WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
 TRAINER_FP8 = ("none", *RECIPE_NAMES)
-SHARED_SCALE_RECIPES = ("calibrated", "te_delayed", "megatron_delayed")
-"""Trainer recipes aligned rollouts serve by sharing their per-tensor weight and input scales
-(served at each sync, frozen by the trainer's recompute and first forward; rollout_fp8.py)."""
-ROW_GROUP_RECIPES = ("groupwise", "groupwise32")
-"""Trainer recipes aligned rollouts serve by recomputing them: stateless 1x128 (1x32) groups of a
-row, the same on both sides from the same weights and tokens, nothing to share."""
-ALIGNED_RECIPES = SHARED_SCALE_RECIPES + ROW_GROUP_RECIPES
-
-
-def check_rollout_fp8(rollout_fp8: str, trainer_fp8: str) -> None:
-    """rollout.fp8=aligned needs a trainer recipe the rollout can serve (ALIGNED_RECIPES);
-    ValueError naming model.fp8 otherwise (RunConfig's check, and rollout_fp8.py's callers')."""
-    blockwise = (" (blockwise's 128x128 weight blocks cut across the q/k/v rows Megatron fuses and "
-                 "interleaves, so SGLang's per-tensor blocks differ; groupwise's 1x128 groups do not)"
-                 if trainer_fp8 == "blockwise" else "")
-    _check(rollout_fp8 != "aligned" or trainer_fp8 in ALIGNED_RECIPES, "model.fp8",
-           f"rollout.fp8=aligned serves the trainer's own FP8 quantization: model.fp8 must be one of "
-           f"{ALIGNED_RECIPES}, found {trainer_fp8!r}{blockwise}")
 CLIP_CALIBRATIONS = ("none", "shadow", "monitor")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -135,7 +118,7 @@ class RolloutConfig(SGLangSettings):
     mem_fraction_static, deterministic, log_level, fp8, activation_scheme, fp8_backend,
     memory_saver, extra; checked there), which serves model.hf_path, or its FP8 export for
     rollout.fp8, seeded with train.seed. In a run, rollout.fp8=aligned needs model.fp8 in
-    ALIGNED_RECIPES: groupwise (step-0 accuracy within 1 point of float32 on mul/mul2, 5 points
+    fp8/recipe.py's aligned_recipe_names(): groupwise (step-0 accuracy within 1 point of float32 on mul/mul2, 5 points
     lower on add/mul; README), or a per-tensor recipe such as calibrated; rollout.deterministic
     derives per-sample seeds from (train.seed, step), so a resumed run's rollouts equal an
     uninterrupted run's (exact resume), at some speed cost."""
@@ -199,7 +182,7 @@ class RolloutConfig(SGLangSettings):
         _check(disaggregated or self.weight_transfer == "tensor", "rollout.weight_transfer",
                f"{self.weight_transfer} is implemented for rollout.mode=disaggregated only; "
                "colocated uses tensor")
-        _check(not (self.server_url and self.fp8 != "none"), "rollout.fp8",
+        _check(not (self.server_url and self.fp8_mode is not RolloutFp8.NONE), "rollout.fp8",
                f"{self.fp8} with rollout.server_url: the server must serve the FP8 checkpoint this run "
                "prepares (<run_dir>/rollout_fp8); leave server_url empty so the run starts it")
         _check(not (self.server_url and (self.server_devices or self.server_tp > 1)), "rollout.server_url",
@@ -483,7 +466,13 @@ class RunConfig:
     def trainer_fp8_gemm(self) -> str:
         """The GEMM of the trainer's FP8 linears: batch_invariant for aligned rollouts (the Triton
         kernel the SGLang fp8rl method also runs on GPU, 'tiled' on CPU), else auto."""
-        return "batch_invariant" if self.rollout.fp8 == "aligned" else "auto"
+        return self.fp8_plan.trainer_gemm
+
+    @property
+    def fp8_plan(self) -> Fp8ServingPlan:
+        """The FP8 serving plan of (model.fp8, rollout.fp8) (fp8/serving.py; built once per pair):
+        what the actor, the loop, the weight publisher and the rollout checkpoint read."""
+        return plan_for(self.rollout.fp8, self.model.fp8)
 
     def __post_init__(self):
         _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")
@@ -495,12 +484,11 @@ class RunConfig:
         _check(self.algorithm.calibration.mode == "none" or self.model.fp8_backend == "ours",
                "algorithm.calibration.mode", "the shadow's high-precision forward is wired for our FP8 linear "
                "(model.fp8_backend=ours), not for TE's layers (te)")
-        _check(self.rollout.fp8 in ("blockwise", "per_tensor") or self.rollout.dtype == self.model.dtype,
+        _check(self.rollout.fp8_mode.own_quantization or self.rollout.dtype == self.model.dtype,
                "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "
                f"without FP8 rollouts (rollout.fp8={self.rollout.fp8!r}) SGLang must serve the trainer's "
                "dtype, or every logprob carries the dtype gap; set them equal")
-        check_rollout_fp8(self.rollout.fp8, self.model.fp8)
-        _check(not (self.rollout.fp8 == "aligned" and self.model.fp8_backend == "te"), "model.fp8_backend",
+        _check(not (self.fp8_plan.aligned and self.model.fp8_backend == "te"), "model.fp8_backend",
                "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
                "arithmetic; use model.fp8_backend=ours")
         _check(self.algorithm.agg_mode in AGGREGATION_MODES, "algorithm.agg_mode",

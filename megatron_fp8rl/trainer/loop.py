@@ -77,7 +77,7 @@ def _sglang_config(cfg: RunConfig):
 def _rollout_model_path(cfg: RunConfig) -> Path:
     """The checkpoint the rollout engine or server starts from: the HF checkpoint
     (rollout.fp8=none) or the FP8 one `_write_rollout_start` made from the actor."""
-    if cfg.rollout.fp8 == "none":
+    if not cfg.fp8_plan.fp8:
         return Path(cfg.model.hf_path)
     return Path(cfg.run_dir) / ROLLOUT_CHECKPOINT
 
@@ -91,16 +91,16 @@ def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer,
     of each linear), then the actor's `publisher.publish` stream, the one every sync sends,
     written by rank 0 (trainer/rollout_fp8.write_rollout_checkpoint). No other model is built and
     no checkpoint is read."""
-    from megatron_fp8rl.trainer.rollout_fp8 import needs_calibration, static_per_tensor, write_rollout_checkpoint
+    from megatron_fp8rl.trainer.rollout_fp8 import write_rollout_checkpoint
 
     rollout = cfg.rollout
     bounds = None
-    if needs_calibration(rollout.fp8, rollout.activation_scheme, cfg.model.fp8):
+    if cfg.fp8_plan.needs_calibration(rollout.activation_scheme):
         bounds = calibration_forward(actor, [prompt_token_ids(r, tokenizer) for r in train_records[:16]])
     actor.publisher.publish(
         lambda tensors: write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg), rollout.fp8,
                                                  rollout.activation_scheme, cfg.model.fp8),
-        bounds if static_per_tensor(rollout.fp8, rollout.activation_scheme) else None)
+        bounds if cfg.fp8_plan.static_per_tensor(rollout.activation_scheme) else None)
     dist.barrier()
 
 
@@ -279,7 +279,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
         actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                               Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
                               rollout_fp8=cfg.rollout.fp8)
-    if cfg.rollout.fp8 != "none":
+    if cfg.fp8_plan.fp8:
         with timed(timings, "setup_rollout_checkpoint"):
             _write_rollout_start(cfg, actor, tokenizer, train_records)
     engine = None

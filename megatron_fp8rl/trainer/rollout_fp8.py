@@ -1,15 +1,15 @@
 """Rollout FP8 on the trainer side: the FP8 checkpoint the rollout engine starts from, the tensors
 each weight sync sends, and the scales the aligned old-logprob recompute freezes.
 
-Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
+Owns (rollout.fp8 modes, fp8/serving.py RolloutFp8; each pair's plan: fp8/serving.py Fp8ServingPlan):
 - blockwise / per_tensor: the trainer's high-precision weights quantized as the exporter does
   (convert/fp8_export.py: 128x128 blocks, or one scale per HF tensor; per_tensor static keeps the
   input scales calibrated at start, since a high-precision trainer has no activation bounds).
-- aligned with a row-group recipe (config.ROW_GROUP_RECIPES: groupwise): the trainer quantizes
+- aligned with a row-group recipe (RecipePromises.row_group: groupwise): the trainer quantizes
   every weight row and every token in 1x128 groups from their own values, so the served checkpoint
   is the exporter's block layout with 1x128 weight groups (fused shards quantize as their parts)
   and SGLang's fp8rl method quantizes activations as the trainer does: nothing to share or freeze.
-- aligned with a shared-scale recipe (config.SHARED_SCALE_RECIPES): the trainer's own per-tensor
+- aligned with a shared-scale recipe (RecipePromises.shares_scales): the trainer's own per-tensor
   FP8 quantization. Each Megatron FP8 linear has one weight and one input scale (shared by its
   fused q/k/v or gate/up shards and, through the amax reduction, by its TP shards); the served
   checkpoint holds exactly those as `weight_scale` / `input_scale` of every HF shard, and the
@@ -18,7 +18,7 @@ Owns (rollout.fp8 modes, trainer/config.py ROLLOUT_FP8):
   forward gives its live quantizers their first input bounds, so the recipe's own rule picks them.
 The engine's start checkpoint is written from the actor's own stream, the one every sync sends
 (`write_rollout_checkpoint`; trainer/loop.py), after that calibration forward where input scales
-are static (`needs_calibration`). `prepare_rollout_checkpoint` is the same checkpoint exported
+are static (`Fp8ServingPlan.needs_calibration`). `prepare_rollout_checkpoint` is the same checkpoint exported
 from an HF folder, for an engine without a trainer (tests, bench/rollout.py).
 Scales are keyed by (global layer number, Megatron linear path: the model family's
 `DecoderLinear.megatron`, models/families/<family>.py), values are fp32 dequant
@@ -48,43 +48,23 @@ from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.quantize import finite_amax, quantize_with_scale_inv
 from megatron_fp8rl.fp8.recipe import Fp8Recipe, recipe_by_name
+from megatron_fp8rl.fp8.serving import Fp8ServingPlan, plan_for
 from megatron_fp8rl.models.family import ModelFamily
 from megatron_fp8rl.models.registry import family_for, weight_linear
 from megatron_fp8rl.rollout.weights import unshared
-from megatron_fp8rl.trainer.config import ROW_GROUP_RECIPES, SHARED_SCALE_RECIPES, check_rollout_fp8
 
 ROLLOUT_CHECKPOINT = "rollout_fp8"
 """Folder (under the run directory) of the FP8 checkpoint the rollout engine starts from."""
 Scales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def shares_scales(rollout_fp8: str, trainer_fp8: str) -> bool:
-    """Whether the rollout serves the trainer's per-tensor scales (aligned, shared-scale recipe)."""
-    return rollout_fp8 == "aligned" and trainer_fp8 in SHARED_SCALE_RECIPES
-
-
-def static_per_tensor(rollout_fp8: str, activation_scheme: str) -> bool:
-    """Whether the rollout serves per-tensor FP8 with static input scales of its own (measured by
-    the actor's calibration forward and sent with the start checkpoint)."""
-    return rollout_fp8 == "per_tensor" and activation_scheme == "static"
-
-
-def needs_calibration(rollout_fp8: str, activation_scheme: str, trainer_fp8: str) -> bool:
-    """Whether the start checkpoint needs a calibration forward: static input scales (aligned with
-    a shared-scale recipe, or per_tensor static)."""
-    return shares_scales(rollout_fp8, trainer_fp8) or static_per_tensor(rollout_fp8, activation_scheme)
-
-
-def export_options(rollout_fp8: str, activation_scheme: str, bounds=None, trainer_fp8: str = "") -> Fp8ExportOptions:
-    """The exporter's options for a rollout FP8 mode (aligned: the trainer recipe's 1x128 weight
-    groups for a row-group recipe, else per-tensor static)."""
-    if rollout_fp8 == "blockwise":
-        return Fp8ExportOptions(scheme="block")
-    if rollout_fp8 == "aligned" and trainer_fp8 in ROW_GROUP_RECIPES:
-        return Fp8ExportOptions(scheme="block", weight_block=recipe_by_name(trainer_fp8).weight_block)
-    static = rollout_fp8 == "aligned" or activation_scheme == "static"
-    return Fp8ExportOptions(scheme="tensor", activation_scheme="static" if static else "dynamic",
-                            bounds=bounds or {})
+def export_options(plan: Fp8ServingPlan, activation_scheme: str, bounds=None) -> Fp8ExportOptions:
+    """The exporter's options for the checkpoint `plan` serves (`Fp8ServingPlan.layout`: aligned
+    takes the trainer recipe's 1 x G weight groups for a row-group recipe, else per-tensor static)."""
+    scheme, activations = plan.layout(activation_scheme)
+    if scheme == "block":
+        return Fp8ExportOptions(scheme="block", **({"weight_block": (1, plan.row_group)} if plan.row_group else {}))
+    return Fp8ExportOptions(scheme="tensor", activation_scheme=activations, bounds=bounds or {})
 
 
 def _family(checkpoint: Path) -> ModelFamily:
@@ -103,16 +83,16 @@ def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, ac
     """The checkpoint the rollout engine starts from: `hf_path` itself for rollout.fp8=none,
     else an FP8 export of it at `output` (static input bounds calibrated on the prompts; aligned:
     with the margin of `recipe`, the trainer's, by default the `trainer_fp8` recipe's defaults)."""
-    if rollout_fp8 == "none":
+    plan = plan_for(rollout_fp8, trainer_fp8)
+    if not plan.fp8:
         return Path(hf_path)
-    check_rollout_fp8(rollout_fp8, trainer_fp8)
-    options = export_options(rollout_fp8, activation_scheme, trainer_fp8=trainer_fp8)
+    options = export_options(plan, activation_scheme)
     bounds = None
     if options.activation_scheme == "static":
         bounds = calibrate_input_bounds(Path(hf_path), calibration_prompts)
-        if rollout_fp8 == "aligned":
+        if plan.aligned:
             bounds = _recipe_bounds(Path(hf_path), bounds, (recipe or recipe_by_name(trainer_fp8)).margin)
-        options = export_options(rollout_fp8, activation_scheme, bounds)
+        options = export_options(plan, activation_scheme, bounds)
     export_fp8(Path(hf_path), Path(output), options, overwrite=True, progress=False)
     return Path(output)
 
@@ -176,11 +156,12 @@ def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, 
     shared-scale recipe: weight, weight_scale and input_scale of every HF linear). Which tensors
     are decoder linears comes from the model families' tables (models.registry.weight_linear): a
     name no family knows raises UnsupportedModelError before anything is sent."""
-    if rollout_fp8 == "none":
+    plan = plan_for(rollout_fp8, trainer_fp8)
+    if not plan.fp8:
         yield from named
         return
-    options = export_options(rollout_fp8, "static" if input_bounds else "dynamic", input_bounds, trainer_fp8)
-    if rollout_fp8 == "aligned" and options.scheme == "tensor" and scales is None:
+    options = export_options(plan, "static" if input_bounds else "dynamic", input_bounds)
+    if plan.shares_scales and scales is None:
         raise ValueError(f"aligned rollouts of trainer recipe {trainer_fp8!r} send the trainer's scales: none given")
     for name, tensor in named:
         module = quantized_module(name, num_layers, options, weight_linear)
@@ -204,7 +185,7 @@ def write_rollout_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], hf_pat
     config.json with the `quantization_config` of `rollout_fp8` (trainer/config.py). Written to a
     temporary folder and renamed at the end (convert.outputs.atomic_output); one shard in memory."""
     hf = json.loads((Path(hf_path) / "config.json").read_text())
-    options = export_options(rollout_fp8, activation_scheme, trainer_fp8=trainer_fp8)
+    options = export_options(plan_for(rollout_fp8, trainer_fp8), activation_scheme)
     with atomic_output(Path(output), overwrite=True) as tmp:
         weight_map, shard, size, total = {}, [], 0, 0
 

@@ -32,7 +32,8 @@ from megatron_fp8rl.convert.megatron_to_hf import (
 )
 from megatron_fp8rl.models.megatron_fp8_linear import shared_fp8_scales
 from megatron_fp8rl.rollout.weights import WeightSnapshot
-from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors, shares_scales
+from megatron_fp8rl.fp8.serving import plan_for
+from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
 
 Scales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
@@ -85,6 +86,8 @@ class WeightPublisher:
         """`trainer_fp8`: model.fp8; `rollout_fp8`: rollout.fp8."""
         self.model, self.hf_config = model, hf_config
         self.trainer_fp8, self.rollout_fp8 = trainer_fp8, rollout_fp8
+        self.serving = plan_for(rollout_fp8, trainer_fp8)
+        """The pair's FP8 serving plan (fp8/serving.py): whether scales are shared."""
         self._served: Scales | None = None
         """Shared-scale aligned FP8 rollouts: the scales the engine serves now (`served_scales`)."""
 
@@ -92,7 +95,7 @@ class WeightPublisher:
         """Aligned FP8 rollouts of a shared-scale recipe: the FP8 scales the rollout engine serves
         now (those of the last `publish`, the start checkpoint's included); else None
         (a row-group recipe's scales are recomputed, not shared). RuntimeError before any."""
-        if not shares_scales(self.rollout_fp8, self.trainer_fp8):
+        if not self.serving.shares_scales:
             return None
         if self._served is None:
             raise RuntimeError("aligned FP8 with shared scales: no weights were served yet "
@@ -115,8 +118,7 @@ class WeightPublisher:
         (HF module -> {"input": bound}, `fp8_observation.calibration_forward`): static input
         scales to send too (the start checkpoint of rollout.fp8=per_tensor static). The tensors
         are on `assembly_device` (the GPU's for CUDA weights)."""
-        shared = shares_scales(self.rollout_fp8, self.trainer_fp8)
-        self._served = self.aligned_scales() if shared else None
+        self._served = self.aligned_scales() if self.serving.shares_scales else None
         plan = self._gather_plan()
         convert = partial(rollout_tensors, num_layers=int(self.hf_config["num_hidden_layers"]),
                           rollout_fp8=self.rollout_fp8, scales=self._served, trainer_fp8=self.trainer_fp8,

@@ -110,7 +110,7 @@ def test_aligned_rollout_equals_fp8_trainer(megatron_tp1, tiny_dirs, tmp_path, f
                     param.mul_(WEIGHT_CHANGE)
             _trainer_logprobs(model, engine.generate(PROMPTS[:1], SAMPLING)[0])  # a training forward
         scales = shared_fp8_scales(model)
-        engine.update_weights(rollout_tensors(new_hf.items(), 2, "aligned", scales), version=1)
+        engine.update_weights(rollout_tensors(new_hf.items(), 2, "aligned", scales, "calibrated"), version=1)
         after_sync = _mismatch(engine.generate(PROMPTS, SAMPLING, n=3), model, scales)
         # Without frozen scales the trainer's own recipe drifts from what the rollout served.
         unfrozen = _mismatch(engine.generate(PROMPTS, SAMPLING, n=3), model)
