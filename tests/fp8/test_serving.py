@@ -3,6 +3,7 @@ against a table written out here (not derived from the module's own tables); and
 fails when a recipe name or rollout mode is compared as a string outside fp8/recipe.py and
 fp8/serving.py, the one home of the FP8 serving contract."""
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,45 @@ def test_no_recipe_name_or_rollout_mode_is_compared_outside_fp8_recipe_and_servi
             found.update({f"{rel} {hit}": None for hit in string_comparisons(path.read_text())})
     assert not found, ("compare the FP8 serving plan (fp8/serving.py, RunConfig.fp8_plan) or the recipe's "
                        f"promises (fp8/recipe.py), not names: {list(found)}")
+
+
+# --- the SGLang side reads the same layouts -----------------------------------------------------
+
+def _checkpoint(tmp_path, name: str, quant: dict | None) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"quantization_config": quant} if quant else {}))
+    (folder / "model.safetensors").write_bytes(b"")  # check_fp8_checkpoint reads config.json only
+    return folder
+
+
+BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [1, 128]}
+TENSOR_STATIC = {"quant_method": "fp8", "activation_scheme": "static"}
+
+
+@pytest.mark.parametrize("mode, scheme, quant, refusal", [
+    ("none", "dynamic", None, None),
+    ("none", "dynamic", BLOCK, "has a quantization_config (fp8) but the rollout fp8 mode is none"),
+    ("blockwise", "dynamic", BLOCK, None),
+    ("blockwise", "dynamic", TENSOR_STATIC, "rollout fp8=blockwise (activation_scheme=dynamic) expects a "
+                                            "block/dynamic FP8 checkpoint; {path} is tensor/static"),
+    ("per_tensor", "static", TENSOR_STATIC, None),
+    ("per_tensor", "dynamic", TENSOR_STATIC, "expects a tensor/dynamic FP8 checkpoint; {path} is tensor/static"),
+    ("aligned", "dynamic", TENSOR_STATIC, None),
+    ("aligned", "dynamic", BLOCK, None),
+    ("aligned", "dynamic", None, "rollout fp8=aligned needs an FP8 checkpoint"),
+])
+def test_sglang_checks_the_served_checkpoint_against_the_modes_layouts(tmp_path, mode, scheme, quant, refusal):
+    from megatron_fp8rl.rollout.engine import RolloutEngineError
+    from megatron_fp8rl.rollout.sglang_common import SGLangConfig, check_fp8_checkpoint, engine_kwargs
+
+    folder = _checkpoint(tmp_path, "ckpt", quant)
+    config = SGLangConfig(model_path=str(folder), device="cpu", fp8=mode, activation_scheme=scheme)
+    assert config.fp8_mode is RolloutFp8(mode)
+    assert engine_kwargs(config).get("quantization") == (None if mode == "none" else "fp8rl")
+    if refusal is None:
+        check_fp8_checkpoint(config)
+        return
+    with pytest.raises(RolloutEngineError) as error:
+        check_fp8_checkpoint(config)
+    assert refusal.format(path=folder) in str(error.value)
