@@ -1,7 +1,8 @@
 """FP8 numerics (layer L0): formats, saturating quantize/dequantize, TE-style delayed scaling,
 calibration criteria, recipe specs, per-quantizer statistics and our FP8 linear layer.
 
-Owns: everything that decides how a high-precision tensor becomes FP8 on either runtime tier.
+Owns: everything that decides how a high-precision tensor becomes FP8 on either runtime tier,
+and the FP8 serving contract between trainer and rollout (recipe.py's promises, serving.py's plan).
 Must not import: megatron, transformer_engine, megatron_fp8rl.compat or anything above L0
 (torch and the standard library only; fp8/triton_gemm.py also triton, imported at first use of
 the triton_invariant GEMM). TE and Megatron adapters live in megatron_fp8rl/compat/.
