@@ -12,14 +12,23 @@ ARG SGLANG_VERSION=0.5.23
 ARG BUILD_APEX=0
 
 # The base image's torch and Transformer Engine are not the versions the test suite ran on
-# (megatron_fp8rl/compat/versions.py): the version gate lets them through by name, nothing else.
+# (megatron_fp8rl/compat/versions.py): the version gate allows exactly these versions, by version
+# (those of NGC PyTorch 25.10, as its release notes give them; not confirmed by a build here: the RUN
+# below fails the build if the base image holds other ones), and refuses any other.
+ARG TORCH_VERSION=2.9.0a0
+ARG TE_VERSION=2.8.0
 ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
-    MEGATRON_FP8RL_ALLOW_UNTESTED=torch,transformer-engine
+    MEGATRON_FP8RL_ALLOW_UNTESTED=torch==${TORCH_VERSION},transformer-engine==${TE_VERSION}
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 WORKDIR /opt/megatron_fp8rl
+
+RUN (python -c "__import__('sys').exit(__import__('torch').__version__.split('+')[0] != '${TORCH_VERSION}')" \
+      || (echo "base image torch is not ${TORCH_VERSION}: pass --build-arg TORCH_VERSION" >&2 && exit 1)) \
+ && (python -c "__import__('sys').exit(__import__('importlib.metadata').metadata.version('transformer-engine').split('+')[0] != '${TE_VERSION}')" \
+      || (echo "base image Transformer Engine is not ${TE_VERSION}: pass --build-arg TE_VERSION" >&2 && exit 1))
 
 # Every install below runs under /opt/base-constraints.txt: the base image's torch, torchvision
 # and Transformer Engine at their installed versions, so pip fails instead of replacing them.

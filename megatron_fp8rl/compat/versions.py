@@ -9,7 +9,10 @@ override, `allowed_from_env`).
 
 Override: `MEGATRON_FP8RL_ALLOW_UNTESTED=<dist>[,<dist>...]` (or `all`) in the environment of
 the entry point runs with those distributions at untested versions, at the user's risk: the
-signature checks still run and still raise on a drift they can see.
+signature checks still run and still raise on a drift they can see. `<dist>==<version>` allows
+exactly that version (the GPU image names the torch and TE of its base image this way, so another
+version is still refused). The SGLang plugin's `register()` runs the same gate in every SGLang
+process, with that process's environment.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class UntestedVersionError(RuntimeError):
 def allowed_from_env(env: Mapping[str, str]) -> frozenset[str]:
     """The distributions `ALLOW_ENV` lets run untested; ValueError naming an unknown one."""
     names = frozenset(name.strip() for name in env.get(ALLOW_ENV, "").split(",") if name.strip())
-    unknown = sorted(names - set(TESTED_VERSIONS) - {"all"})
+    unknown = sorted(n for n in names if n.split("==")[0].strip() not in {*TESTED_VERSIONS, "all"})
     if unknown:
         raise ValueError(f"{ALLOW_ENV}: unknown distributions {unknown}; known: "
                          f"{', '.join(TESTED_VERSIONS)} or all")
@@ -59,11 +62,12 @@ def require(dist: str) -> str:
     version = installed_version(dist)
     if version is None:
         raise UntestedVersionError(f"{dist} is not installed (tested: {', '.join(TESTED_VERSIONS[dist])})")
-    if version not in TESTED_VERSIONS[dist] and not {dist, "all"} & _allowed:
+    if version not in TESTED_VERSIONS[dist] and not {dist, "all", f"{dist}=={version}"} & _allowed:
         raise UntestedVersionError(
             f"{dist} {version} is installed, but megatron_fp8rl was tested with {dist} "
             f"{', '.join(TESTED_VERSIONS[dist])} only (megatron_fp8rl/compat/versions.py). Install a "
-            f"tested version, or set {ALLOW_ENV}={dist} to run anyway at your own risk.")
+            f"tested version, or set {ALLOW_ENV}={dist}=={version} (this version) or {ALLOW_ENV}={dist} "
+            "(any) to run anyway at your own risk.")
     return version
 
 

@@ -43,6 +43,7 @@ checks and derives plain attributes, never replacing a Parameter.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from sglang.srt.layers.parameter import ModelWeightParameter
 from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
+from megatron_fp8rl.compat import versions
 from megatron_fp8rl.compat.bf16_gemm import patch_sglang_bf16_gemms
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.linear import fp8_matmul_nt, resolve_gemm
@@ -321,7 +323,16 @@ class Fp8RLLinearMethod(LinearMethodBase):
 def register() -> None:
     """The `sglang.srt.plugins` entry point: make `OUR_FP8_METHOD` a quantization method SGLang
     knows in this process (idempotent). Registering only in a parent process is not enough: the
-    scheduler is spawned and runs `load_plugins()` itself (DESIGN.md)."""
+    scheduler is spawned and runs `load_plugins()` itself (DESIGN.md).
+
+    It runs in every SGLang process of the environment, where our entry points' version gate never
+    ran: so it runs that gate first (compat/versions.py, with this process's override
+    MEGATRON_FP8RL_ALLOW_UNTESTED) and stops the process with a one-line reason before patching
+    anything of an untested version."""
+    try:
+        versions.gate(os.environ)
+    except (versions.UntestedVersionError, ValueError) as error:
+        raise SystemExit(f"megatron_fp8rl SGLang plugin: {error}") from None
     from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
     from sglang.srt.layers import linear, quantization
 

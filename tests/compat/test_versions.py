@@ -92,3 +92,20 @@ def test_adam_step_restore_raises_when_the_checkpoint_restored_none(megatron_tp1
     restore_adam_step(optimizer)
     state = optimizer.chained_optimizers[0].optimizer.state
     assert all(torch.equal(s["step"], torch.tensor(3.0)) for s in state.values())
+
+
+def test_an_exact_version_override_allows_that_version_only(torch_at_9):
+    assert versions.check_versions(versions.allowed_from_env({ALLOW_ENV: "torch==9.9.9"}))["torch"] == "9.9.9"
+    with pytest.raises(UntestedVersionError, match=f"torch 9.9.9 is installed.*{ALLOW_ENV}=torch==9.9.9"):
+        versions.check_versions(versions.allowed_from_env({ALLOW_ENV: "torch==2.9.0a0"}))
+    with pytest.raises(ValueError, match=r"unknown distributions \['torchh==1'\]"):
+        versions.allowed_from_env({ALLOW_ENV: "torchh==1"})
+
+
+def test_the_dockerfile_allows_exactly_the_versions_it_checks_its_base_image_for():
+    text = (REPO / "Dockerfile").read_text()
+    assert "MEGATRON_FP8RL_ALLOW_UNTESTED=torch==${TORCH_VERSION},transformer-engine==${TE_VERSION}" in text
+    assert "MEGATRON_FP8RL_ALLOW_UNTESTED=torch,transformer-engine" not in text  # no waiver by name
+    # the build checks the pins against the base image
+    assert "__import__('torch').__version__.split('+')[0] != '${TORCH_VERSION}'" in text
+    assert "metadata.version('transformer-engine').split('+')[0] != '${TE_VERSION}'" in text

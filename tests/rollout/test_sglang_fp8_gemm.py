@@ -202,3 +202,25 @@ def test_shards_and_shard_ids_must_be_the_familys(plugin):
     weights = {s: torch.zeros(w, 4, dtype=E4M3.dtype) for s, w in SHARDS.items()}
     with pytest.raises(ValueError, match=r"qkv_proj: unknown shard 0 of a layer with shards \('q', 'k', 'v'\)"):
         _served(plugin, config, weights, {0: torch.tensor(1.0)})
+
+
+def test_the_plugin_refuses_an_untested_version_before_patching(plugin, monkeypatch):
+    """register() runs in every SGLang process, where no entry point ran the version gate: it runs
+    it (compat/versions.py) and stops with one line, nothing patched, unless the override names
+    that exact version."""
+    from sglang.srt.layers import quantization
+
+    from megatron_fp8rl.compat import versions
+
+    real = versions.metadata.version
+    monkeypatch.setattr(versions.metadata, "version", lambda name: "9.9.9" if name == "sglang" else real(name))
+    monkeypatch.setattr(versions, "_allowed", versions._allowed)  # restored after the test
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    before = dict(quantization.QUANTIZATION_METHODS)
+    with pytest.raises(SystemExit, match="megatron_fp8rl SGLang plugin: sglang 9.9.9 is installed"):
+        plugin.register()
+    monkeypatch.setenv(versions.ALLOW_ENV, "sglang==9.9.8")  # another exact version: still refused
+    with pytest.raises(SystemExit, match="sglang 9.9.9 is installed"):
+        plugin.register()
+    assert quantization.QUANTIZATION_METHODS == before
+    assert versions.gate({versions.ALLOW_ENV: "sglang==9.9.9"})["sglang"] == "9.9.9"
