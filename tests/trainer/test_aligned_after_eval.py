@@ -97,7 +97,7 @@ def test_aligned_smollm2_mismatch_is_exactly_zero_after_evals(tmp_path):
     run_torchrun(CLI, 1, "train", "--config", str(REPO / "examples" / "cpu_demo.yaml"), f"model.hf_path={model}",
                  f"data.train={train}", f"data.eval={evals}", "data.prompts_per_step=8", "rollout.n_samples=8",
                  "rollout.max_new_tokens=20", "rollout.temperature=1.0", "algorithm.name=grpo",
-                 "algorithm.clip_low=0.2", "algorithm.clip_high=0.2", "algorithm.dynamic_sampling=false",
+                 "algorithm.clip.low=0.2", "algorithm.clip.high=0.2", "algorithm.dynamic_sampling=false",
                  "algorithm.correction=none", "train.lr=1e-5", "train.mini_batches=2", "train.micro_batch_size=16",
                  "train.weight_decay=0.0", "train.steps=2", "train.eval_every=1", f"run_dir={tmp_path / 'run'}",
                  timeout=3000)
