@@ -21,6 +21,8 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_fp8rl.compat.versions import expect, patch
+
 BF16_GEMMS = frozenset({torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm,
                         torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm,
                         torch.nn.functional.linear})
@@ -74,8 +76,10 @@ def patch_sglang_bf16_gemms() -> bool:
     from sglang.srt.layers.logits_processor import LogitsProcessor
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-    for owner, name in ((UnquantizedLinearMethod, "apply"), (LogitsProcessor, "_compute_lm_head")):
-        method = getattr(owner, name)
+    for owner, name, params in ((UnquantizedLinearMethod, "apply", ("self", "layer", "x", "bias")),
+                                (LogitsProcessor, "_compute_lm_head",
+                                 ("self", "hidden_states", "lm_head", "embedding_bias", "out"))):
+        method = expect(owner, name, dist="sglang")
         if not getattr(method, "megatron_fp8rl_bf16_gemms", False):
-            setattr(owner, name, in_bf16_gemm_mode(method))
+            patch(owner, name, in_bf16_gemm_mode(method), dist="sglang", params=params)
     return True

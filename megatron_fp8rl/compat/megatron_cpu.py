@@ -39,7 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_fp8rl.compat.bf16_gemm import bf16_gemm_in_fp32, in_bf16_gemm_mode
-from megatron_fp8rl.compat.versions import require
+from megatron_fp8rl.compat.versions import patch, require, restore
 
 _CPU = torch.device("cpu")
 _saved: dict[tuple[object, str], object] = {}
@@ -149,9 +149,11 @@ def _cpu_set_rng_state(new_state, *args, **kwargs) -> None:
     torch.set_rng_state(new_state)
 
 
-def _patch(owner: object, name: str, value: object) -> None:
-    _saved.setdefault((owner, name), getattr(owner, name))
-    setattr(owner, name, value)
+def _patch(owner: object, name: str, value: object, dist: str = "torch", params=None) -> None:
+    """`versions.patch` (version, existence and, with `params`, signature checked), remembering
+    the first original for `disable`."""
+    original = patch(owner, name, value, dist=dist, params=params)
+    _saved.setdefault((owner, name), original)
 
 
 class _SameContextRngWarningFilter(logging.Filter):
@@ -182,30 +184,33 @@ def enable() -> bool:
     from megatron.core.tensor_parallel import random as mcore_random
 
     cuda = torch.cuda
-    _patch(cuda, "current_device", lambda: _CPU)
-    _patch(cuda, "set_device", lambda device: None)
-    _patch(cuda, "device_count", lambda: 0)
-    _patch(cuda, "synchronize", lambda device=None: None)
+    _patch(cuda, "current_device", lambda: _CPU, params=())
+    _patch(cuda, "set_device", lambda device: None, params=("device",))
+    _patch(cuda, "device_count", lambda: 0, params=())
+    _patch(cuda, "synchronize", lambda device=None: None, params=("device",))
     # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
-    _patch(cuda, "manual_seed", _cpu_manual_seed)
-    _patch(cuda, "manual_seed_all", lambda seed: None)
-    _patch(cuda, "get_rng_state", _cpu_get_rng_state)
-    _patch(cuda, "set_rng_state", _cpu_set_rng_state)
-    _patch(cuda, "current_stream", lambda device=None: _NullStream())
-    _patch(cuda, "default_stream", lambda device=None: _NullStream())
-    _patch(cuda, "stream", _null_stream_context)
+    _patch(cuda, "manual_seed", _cpu_manual_seed, params=("seed",))
+    _patch(cuda, "manual_seed_all", lambda seed: None, params=("seed",))
+    _patch(cuda, "get_rng_state", _cpu_get_rng_state, params=("device",))
+    _patch(cuda, "set_rng_state", _cpu_set_rng_state, params=("new_state", "device"))
+    _patch(cuda, "current_stream", lambda device=None: _NullStream(), params=("device",))
+    _patch(cuda, "default_stream", lambda device=None: _NullStream(), params=("device",))
+    _patch(cuda, "stream", _null_stream_context, params=("stream",))
     _patch(cuda, "Stream", _NullStream)
     _patch(cuda, "Event", _NullEvent)
-    _patch(cuda.random, "get_rng_state", _cpu_get_rng_state)
-    _patch(cuda.random, "set_rng_state", _cpu_set_rng_state)
-    _patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
-    _patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+    _patch(cuda.random, "get_rng_state", _cpu_get_rng_state, params=("device",))
+    _patch(cuda.random, "set_rng_state", _cpu_set_rng_state, params=("new_state", "device"))
+    _patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state, "megatron-core",
+           ("device", "clone", "graph_safe"))
+    _patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state, "megatron-core",
+           ("new_state", "device", "graph_safe"))
     logging.getLogger(mcore_random.__name__).addFilter(_RNG_FILTER)
     from megatron.core.tensor_parallel import layers as mcore_layers
 
     for function in (mcore_layers.LinearWithGradAccumulationAndAsyncCommunication,
                      mcore_layers.LinearWithFrozenWeight):
-        _patch(function, "backward", _bf16_gemm_backward(function.backward))
+        _patch(function, "backward", _bf16_gemm_backward(function.backward), "megatron-core",
+               ("ctx", "grad_output"))
     _mode = _CudaToCpuMode()
     _mode.__enter__()
     return True
@@ -219,7 +224,7 @@ def disable() -> None:
     _mode.__exit__(None, None, None)
     _mode = None
     for (owner, name), value in reversed(list(_saved.items())):
-        setattr(owner, name, value)
+        restore(owner, name, value)
     _saved.clear()
     from megatron.core.tensor_parallel import random as mcore_random
 

@@ -28,6 +28,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+from megatron_fp8rl.compat.versions import patch
+
 ALLOWED_GLOBALS = frozenset({
     ("torch", "Size"),
     ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a save given a Path
@@ -118,8 +120,9 @@ def install() -> None:
         return
     _check_replaced(FileSystemReader.read_metadata, "pickle.load(metadata_file)")
     _check_replaced(DefaultLoadPlanner.load_bytes, "torch.load(")
-    _installed.update(read_metadata=FileSystemReader.read_metadata,
-                      load_bytes=DefaultLoadPlanner.load_bytes)
-    FileSystemReader.read_metadata = _read_metadata
-    DefaultLoadPlanner.load_bytes = _load_bytes
+    # read_metadata is wrapped by a decorator (self, *args, **kwargs): its source check stands for
+    # its signature
+    _installed.update(load_bytes=patch(DefaultLoadPlanner, "load_bytes", _load_bytes, dist="torch",
+                                       like=_load_bytes),
+                      read_metadata=patch(FileSystemReader, "read_metadata", _read_metadata, dist="torch"))
 

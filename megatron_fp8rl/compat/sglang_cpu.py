@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_fp8rl.compat.process_env import without_torchrun_env
-from megatron_fp8rl.compat.versions import require
+from megatron_fp8rl.compat.versions import expect, require
 
 import torch
 
@@ -181,6 +181,9 @@ def start_engine(kwargs: dict):
     (seen: a later Engine's start-up hung in `Context.__del__`)."""
     from sglang.srt.entrypoints.engine import Engine, init_tokenizer_manager
 
+    expect(Engine, "init_tokenizer_manager_func", dist="sglang",
+           params=("server_args", "port_args", "TokenizerManagerClass"))
+    expect(Engine, "run_scheduler_process_func", dist="sglang")
     created = []
 
     def recording_init(server_args, port_args):
@@ -234,8 +237,11 @@ def contain_child_failures(engine, on_failure: Callable[[], None]) -> None:
     trainer/stop.py), and otherwise restores the default action: terminate.
     """
     manager = engine.tokenizer_manager
+    handler_class = expect(manager, "signal_handler_class", dist="sglang")
+    for name in ("running_phase_sigquit_handler", "sigterm_handler"):
+        expect(handler_class, name, dist="sglang", params=("self", "signum", "frame"))
 
-    class _ContainedSignalHandler(manager.signal_handler_class):
+    class _ContainedSignalHandler(handler_class):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.host_sigterm = signal.getsignal(signal.SIGTERM)  # before the loop takes SIGTERM over

@@ -15,7 +15,11 @@ reproducibility needs the same calls in the same order (what a resumed RL run ma
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+from megatron_fp8rl.compat.versions import expect, gate, patch
 
 _MASK32 = 0xFFFFFFFF
 _library = None
@@ -70,20 +74,24 @@ def allow_torch_native_deterministic() -> None:
     """Let ServerArgs accept `attention_backend=torch_native` with deterministic inference (the
     process that resolves the server arguments calls this). torch_native attention has no
     split-KV reduction whose order depends on the batch."""
-    from sglang.srt.arg_groups.choices import DETERMINISTIC_ATTENTION_BACKEND_CHOICES
+    from sglang.srt.arg_groups import choices
 
-    if "torch_native" not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
-        DETERMINISTIC_ATTENTION_BACKEND_CHOICES.append("torch_native")
+    allowed = expect(choices, "DETERMINISTIC_ATTENTION_BACKEND_CHOICES", dist="sglang")
+    if "torch_native" not in allowed:
+        allowed.append("torch_native")
 
 
 def cpu_scheduler_process(*args, **kwargs):
     """SGLang's `run_scheduler_process` for the CPU tier (pass it as `run_scheduler_process_func`;
-    module-level so spawn can pickle it): the murmur hash registered, batch-invariant mode off."""
+    module-level so spawn can pickle it): the version gate of this process (an entry point of its
+    own), the murmur hash registered, batch-invariant mode off."""
+    gate(os.environ)
     from sglang.srt.managers.scheduler import run_scheduler_process
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     register_murmur_hash()
-    ModelRunner.maybe_enable_batch_invariant_mode = _no_batch_invariant_mode
+    patch(ModelRunner, "maybe_enable_batch_invariant_mode", _no_batch_invariant_mode, dist="sglang",
+          params=("self",))
     return run_scheduler_process(*args, **kwargs)
 
 

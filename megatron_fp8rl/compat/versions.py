@@ -2,8 +2,11 @@
 checks that make a drift loud.
 
 Owns: `TESTED_VERSIONS`, `gate` / `check_versions` (called by every entry point: cli.main,
-launch.init_distributed, rollout.sglang_launch, tools/*), `require` (the shims' own guard) and
-`check_signature` (an override asserts, at import, the signature of what it overrides).
+launch.init_distributed, rollout.sglang_launch, tools/*), `require` (the shims' own guard),
+`check_signature` (an override asserts, at import, the signature of what it overrides) and
+`patch` / `expect` / `restore`: the one way this package replaces or relies on another library's
+internals (every site checks the version and the attribute's existence and, where it replaces a
+callable, its signature; tests/compat/test_patch_guards.py finds any other).
 Must not import: anything of ours above L0; it reads no environment itself (entry points pass the
 override, `allowed_from_env`).
 
@@ -17,8 +20,9 @@ process, with that process's environment.
 from __future__ import annotations
 
 import inspect
+import types
 from importlib import metadata
-from typing import Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 ALLOW_ENV = "MEGATRON_FP8RL_ALLOW_UNTESTED"
 TESTED_VERSIONS = {
@@ -96,3 +100,49 @@ def check_signature(ours: Callable, theirs: Callable, what: str, skip_first: boo
         raise UntestedVersionError(
             f"{what}: the library's signature changed; ours {inspect.signature(ours)}, theirs "
             f"{inspect.signature(theirs)}. Re-check the override before widening TESTED_VERSIONS.")
+
+
+def expect(owner: Any, name: str, *, dist: str, params: Sequence[str] | None = None,
+           like: Callable | None = None) -> Any:
+    """`owner.<name>`, another library's internal that a patch is about to replace or an override
+    relies on, once that is safe: `dist` is at a tested (or allowed) version (`require`), `owner`
+    has `name`, and a callable there still takes what the patch was written against: exactly the
+    parameter names `params` (in order), or the signature of `like` (`check_signature`, first
+    parameter included). UntestedVersionError naming `owner.name` otherwise."""
+    require(dist)
+    where = f"{_describe(owner)}.{name}"
+    if not hasattr(owner, name):
+        raise UntestedVersionError(f"{where} is gone ({dist} {installed_version(dist)}): megatron_fp8rl "
+                                   f"patches or overrides it; re-check the patch before widening TESTED_VERSIONS.")
+    original = getattr(owner, name)
+    if like is not None:
+        check_signature(like, original, where, skip_first=False)
+    if params is not None:
+        found = tuple(inspect.signature(original).parameters)
+        if found != tuple(params):
+            raise UntestedVersionError(
+                f"{where}: its parameters are {found}, the patch was written against {tuple(params)} "
+                f"({dist} {installed_version(dist)}). Re-check the patch before widening TESTED_VERSIONS.")
+    return original
+
+
+def _describe(owner: Any) -> str:
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return f"{type(owner).__module__}.{type(owner).__qualname__} instance"
+
+
+def patch(owner: Any, name: str, value: Any, *, dist: str, params: Sequence[str] | None = None,
+          like: Callable | None = None) -> Any:
+    """Replace `owner.<name>` with `value` after `expect`'s checks; returns what was there (for
+    `restore`)."""
+    original = expect(owner, name, dist=dist, params=params, like=like)
+    setattr(owner, name, value)
+    return original
+
+
+def restore(owner: Any, name: str, original: Any) -> None:
+    """Put back what `patch` returned."""
+    setattr(owner, name, original)

@@ -19,8 +19,8 @@ both sides (decode already is), one thread, and fixed 16-row lm_head tiles remov
 dependence: a row's bits depend on its own inputs only, however the scheduler batches, caches or
 chunks the prompt.
 
-Every patch checks the sglang version (compat/versions.require) and the signature of the private
-method it replaces, and raises UntestedVersionError naming it on a drift.
+Every patch goes through compat/versions.patch: it checks the sglang version and the signature of
+the private method it replaces, and raises UntestedVersionError naming it on a drift.
 """
 from __future__ import annotations
 
@@ -30,12 +30,8 @@ from contextlib import contextmanager
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from megatron_fp8rl.compat.versions import check_signature, require
+from megatron_fp8rl.compat.versions import expect, patch
 from megatron_fp8rl.fp8.linear import tiled_matmul
-
-_PINNED = "_megatron_fp8rl_single_threaded"
-_ROW_CALLS = "_megatron_fp8rl_row_calls"
-_TILED = "_megatron_fp8rl_tiled_lm_head"
 
 
 @contextmanager
@@ -55,7 +51,7 @@ def _pinned(method):
         with single_threaded():
             return method(*args, **kwargs)
 
-    setattr(run, _PINNED, True)
+    run.megatron_fp8rl_pinned = True
     return run
 
 
@@ -66,12 +62,9 @@ def pin_torch_native_attention_threads() -> None:
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     for name in ("_run_sdpa_forward_extend", "_run_sdpa_forward_decode"):
-        method = getattr(TorchNativeAttnBackend, name, None)
-        if method is None:
-            raise AttributeError(f"sglang's TorchNativeAttnBackend has no {name}: the aligned-attention "
-                                 "thread pin targets SGLang 0.5.23's backend")
-        if not getattr(method, _PINNED, False):
-            setattr(TorchNativeAttnBackend, name, _pinned(method))
+        method = expect(TorchNativeAttnBackend, name, dist="sglang")
+        if not getattr(method, "megatron_fp8rl_pinned", False):
+            patch(TorchNativeAttnBackend, name, _pinned(method), dist="sglang")
 
 
 def align_torch_native_attention() -> None:
@@ -79,15 +72,13 @@ def align_torch_native_attention() -> None:
     each query row as a one-query SDPA call against the keys up to that row (the call decode makes),
     and both run single-threaded. UntestedVersionError when sglang's version or the extend's
     signature is not the one this was written against."""
-    require("sglang")
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    current = TorchNativeAttnBackend._run_sdpa_forward_extend
-    if not getattr(current, _ROW_CALLS, False):
-        check_signature(_extend_row_by_row, current, "megatron_fp8rl's row-by-row extend vs sglang "
-                        "TorchNativeAttnBackend._run_sdpa_forward_extend", skip_first=False)
-        setattr(_extend_row_by_row, _ROW_CALLS, True)
-        TorchNativeAttnBackend._run_sdpa_forward_extend = _extend_row_by_row
+    current = expect(TorchNativeAttnBackend, "_run_sdpa_forward_extend", dist="sglang")
+    if not getattr(current, "megatron_fp8rl_row_calls", False):
+        _extend_row_by_row.megatron_fp8rl_row_calls = True
+        patch(TorchNativeAttnBackend, "_run_sdpa_forward_extend", _extend_row_by_row, dist="sglang",
+              like=_extend_row_by_row)
     pin_torch_native_attention_threads()
 
 
@@ -127,11 +118,10 @@ def tile_cpu_lm_head() -> None:
     `tiled_matmul`, as the trainer's output layer in the served layout), so a row's logits do not
     depend on how many rows the batch has (idempotent). Other lm_heads (LoRA, quantized, GPU,
     bf16) keep SGLang's path. UntestedVersionError on an sglang version or signature drift."""
-    require("sglang")
     from sglang.srt.layers.logits_processor import LogitsProcessor
 
-    current = LogitsProcessor._compute_lm_head
-    if getattr(current, _TILED, False):
+    current = expect(LogitsProcessor, "_compute_lm_head", dist="sglang")
+    if getattr(current, "megatron_fp8rl_tiled", False):
         return
 
     from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
@@ -144,8 +134,6 @@ def tile_cpu_lm_head() -> None:
             return tiled_matmul(hidden_states, weight)
         return current(self, hidden_states, lm_head, embedding_bias, out=out)
 
-    check_signature(compute_lm_head, current, "megatron_fp8rl's tiled lm_head vs sglang "
-                    "LogitsProcessor._compute_lm_head", skip_first=False)
     compute_lm_head.__qualname__ = "LogitsProcessor._compute_lm_head"
-    setattr(compute_lm_head, _TILED, True)
-    LogitsProcessor._compute_lm_head = compute_lm_head
+    compute_lm_head.megatron_fp8rl_tiled = True
+    patch(LogitsProcessor, "_compute_lm_head", compute_lm_head, dist="sglang", like=compute_lm_head)

@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from megatron_fp8rl.compat.versions import expect, patch, restore
 from megatron_fp8rl.fp8.quantize import ACTIVATION_BLOCK, WEIGHT_BLOCK, scale_from_bound
 from megatron_fp8rl.fp8.recipe import (
     BlockwiseScaling, CalibratedDelayedScaling, CurrentScaling, DelayedScaling, Fp8Recipe,
@@ -191,7 +192,8 @@ def install_megatron_recipe(spec: CalibratedDelayedScaling) -> Callable[[], None
     from megatron.core import fp8_utils
 
     # a second install replaces the first instead of wrapping it
-    original = getattr(fp8_utils.get_fp8_recipe, "megatron_original", fp8_utils.get_fp8_recipe)
+    current = expect(fp8_utils, "get_fp8_recipe", dist="megatron-core", params=("config",))
+    original = getattr(current, "megatron_original", current)
     te_recipe = to_te_recipe(spec)
 
     def get_fp8_recipe(config):
@@ -206,7 +208,7 @@ def install_megatron_recipe(spec: CalibratedDelayedScaling) -> Callable[[], None
         return te_recipe
 
     get_fp8_recipe.megatron_original = original
-    fp8_utils.get_fp8_recipe = get_fp8_recipe
+    patch(fp8_utils, "get_fp8_recipe", get_fp8_recipe, dist="megatron-core", params=("config",))
     return restore_megatron_recipe
 
 
@@ -214,6 +216,6 @@ def restore_megatron_recipe() -> None:
     """Undo `install_megatron_recipe` (no-op when Megatron's own selection is in place)."""
     from megatron.core import fp8_utils
 
-    fp8_utils.get_fp8_recipe = getattr(fp8_utils.get_fp8_recipe, "megatron_original",
-                                       fp8_utils.get_fp8_recipe)
+    restore(fp8_utils, "get_fp8_recipe", getattr(fp8_utils.get_fp8_recipe, "megatron_original",
+                                                 fp8_utils.get_fp8_recipe))
 

@@ -333,16 +333,18 @@ def register() -> None:
         versions.gate(os.environ)
     except (versions.UntestedVersionError, ValueError) as error:
         raise SystemExit(f"megatron_fp8rl SGLang plugin: {error}") from None
-    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    from sglang.srt.arg_groups import choices
     from sglang.srt.layers import linear, quantization
 
     align_torch_native_attention()  # one query row a call, one thread: the trainer repeats them
     tile_cpu_lm_head()  # float32 lm_head in 16-row tiles, as the trainer's served-layout output layer
     patch_sglang_bf16_gemms()  # bf16 rollouts on CPU: the GPU's GEMM arithmetic, ~fp32 speed
 
-    quantization.QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig
-    quantization.CPU_QUANTIZATION_METHODS[OUR_FP8_METHOD] = Fp8RLConfig
-    if Fp8RLLinearMethod.__name__ not in linear.WEIGHT_LOADER_V2_SUPPORTED:
-        linear.WEIGHT_LOADER_V2_SUPPORTED.append(Fp8RLLinearMethod.__name__)
-    if OUR_FP8_METHOD not in QUANTIZATION_CHOICES:
-        QUANTIZATION_CHOICES.append(OUR_FP8_METHOD)
+    # SGLang's registries (module-level dicts and lists, not a plugin API): checked to exist first
+    for registry in ("QUANTIZATION_METHODS", "CPU_QUANTIZATION_METHODS"):
+        versions.expect(quantization, registry, dist="sglang")[OUR_FP8_METHOD] = Fp8RLConfig
+    for owner, registry, name in ((linear, "WEIGHT_LOADER_V2_SUPPORTED", Fp8RLLinearMethod.__name__),
+                                  (choices, "QUANTIZATION_CHOICES", OUR_FP8_METHOD)):
+        names = versions.expect(owner, registry, dist="sglang")
+        if name not in names:
+            names.append(name)

@@ -15,13 +15,20 @@ import datetime
 import torch.distributed as dist
 
 from megatron_fp8rl.compat.tcp_store import bound_store
+from megatron_fp8rl.compat.versions import expect
 
 
 def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int,
                              world_size: int, group_name: str, timeout_s: float = 600.0):
     """Join (rank 0: host) the group `group_name`; blocks until all `world_size` members joined.
     Collectives on it take group ranks as `src` (an identity map is registered)."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+    from torch.distributed import distributed_c10d as c10d
+
+    # torch's private helper and group registry, checked to be what this was written against
+    new_group = expect(c10d, "_new_process_group_helper", dist="torch", params=(
+        "group_size", "group_rank", "global_ranks_in_group", "backend", "store", "group_name",
+        "backend_options", "timeout", "pg_tag", "device_id", "group_desc"))
+    group_ranks = expect(expect(c10d, "_world", dist="torch"), "pg_group_ranks", dist="torch")
 
     timeout = datetime.timedelta(seconds=timeout_s)
     # The TCPStore SGLang's tcp:// rendezvous makes, built directly: inside a torchrun worker
@@ -30,8 +37,7 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
     # Hosted bound to master_address only (compat/tcp_store.py), not on every interface.
     store = bound_store(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
                         wait_for_workers=False, multi_tenant=True)
-    group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend),
-                                         PrefixStore(group_name, store), group_name=group_name,
-                                         backend_options=None, timeout=timeout, device_id=None)
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    group, _ = new_group(world_size, rank, [], dist.Backend(backend), c10d.PrefixStore(group_name, store),
+                         group_name=group_name, backend_options=None, timeout=timeout, device_id=None)
+    group_ranks[group] = {i: i for i in range(world_size)}
     return group
