@@ -1,21 +1,27 @@
-"""The FP8 stability study v2 (issue 23): the same RL job under several precision arms and seeds,
-then the report. Same as `megatron-fp8rl stability`; the study itself lives in
-megatron_fp8rl/report/study.py (so the installed CLI has it too).
+"""The FP8 stability study (v2: issue 23; v3: issue 44): the same RL job under several precision
+arms and seeds, in one of three regimes, then the report. Same as `megatron-fp8rl stability`; the
+study itself lives in megatron_fp8rl/report/study.py (so the installed CLI has it too).
 
-    python bench/stability.py                                   # every arm, seeds 1,2 on the key arms
-    python bench/stability.py --settings bf16,tensorwise,tensorwise_cc --seeds 1
+    python bench/stability.py --regime moderate2 --hours 2.8    # what fits in 2.8 hours; repeat to go on
+    python bench/stability.py --regime moderate4 --hours 2.8
+    python bench/stability.py --hours 2.8                       # harsh (v2's job; its finished runs kept)
+    python bench/stability.py --settings bf16,groupwise32 --seeds 1
     python bench/stability.py --quick --model DIR               # smoke: 2 tiny steps per run
     python bench/stability.py --add mine:algorithm.correction=mis --set train.lr=5e-5
-    python bench/stability.py --hours 3                         # what fits in 3 hours; repeat to go on
-    python bench/stability.py --report-only                     # the report of the finished runs
+    python bench/stability.py --regime moderate2 --report-only  # the report of the finished runs
 
-Arms: bf16 (reference), bf16_fp8block_tis, tensorwise / blockwise / aligned (unified FP8, the
-diagnostic measured by algorithm.calibration.mode=monitor), the same with Calibrated Clipping (_cc), and
-tensorwise_noise (noise-aware clipping). Output: <study-dir>/<arm>/seed<k>/ (a run directory each,
-train.log), <study-dir>/timings.json, <study-dir>/report/report.md with curves.png and
-accuracy.png, and <study-dir>/report/runs/ (per-run plots of each arm's first seed). A run that
-finished earlier with the same settings (its config.yaml) is kept (--rerun trains it again); an
-unfinished one, or one finished with other settings, starts over.
+Regimes: harsh (v2's: 2 prompts x 8 samples, lr 3e-5, 30 steps; results/stability), moderate2 and
+moderate4 (8 x 8 at temperature 1, lr 1e-5, 12 steps, 2 or 4 mini-batches;
+results/stability_v3/<regime>). Arms: bf16 (reference), groupwise32 (the default: 1x32 groups,
+aligned rollouts), tensorwise, blockwise (unified FP8, the diagnostic measured by
+algorithm.calibration.mode=monitor), the same with Calibrated Clipping (_cc), and
+groupwise32_cc_noise (CC with the noise rule, the remedy); in harsh also v2's bf16_fp8block_tis,
+aligned, aligned_cc, tensorwise_noise. Seeds: 3 for bf16 and the groupwise32 arms, 2 for the others.
+Output: <study-dir>/<arm>/seed<k>/ (a run directory each, train.log), <study-dir>/timings.json,
+<study-dir>/report/report.md with curves.png and accuracy.png, and <study-dir>/report/runs/ (per-run
+plots of each arm's first seed). A run that finished earlier with the same settings (its
+config.yaml) is kept (--rerun trains it again); an unfinished one, or one finished with other
+settings, starts over.
 """
 from __future__ import annotations
 

@@ -1,10 +1,19 @@
-"""The FP8 stability study v2 (issue 23): one RL job under several precision arms and seeds, then
-the report (report/study_report.py).
+"""The FP8 stability study (v2: issue 23; v3: issue 44): one RL job under several precision arms and
+seeds, in one of three regimes, then the report (report/study_report.py).
 
-Owns: the arms table, the study's run sizes (full and --quick), running every arm x seed not
+Owns: the regimes and their arms, the study's run sizes (full and --quick), running every arm x seed not
 finished yet one after another, and its command line (`megatron-fp8rl stability`, `python
 bench/stability.py`). Must not import: trainer code (runs are subprocesses; the report reads
 their logs).
+
+Regimes (issue 44): `harsh` is v2's job (2 prompts x 8 samples, lr 3e-5, results/stability, its
+finished runs reused); `moderate2` / `moderate4` the issue's moderate job (8 x 8 at temperature 1,
+20 tokens, lr 1e-5, 12 steps, eval every 4 on 100 held-out problems) with 2 or 4 mini-batches
+(results/stability_v3/<regime>). v3 adds, in every regime, the project's default (`groupwise32`:
+1x32 groups, aligned rollouts), its CC arm and the remedy (`groupwise32_cc_noise`: CC whose lower
+bound follows the noise rule, algorithm.calibration.rule=noise, so it calibrates where the
+α-quantile falls below any sane floor); an arm trains under the first `seeds` of --seeds (3 for
+bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms).
 
 The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
 trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (old and current
@@ -40,12 +49,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Setting:
-    """One arm: a name (its directory), its `train` overrides, and whether it is a key arm (trained
-    under every --seeds seed; the others under the first only)."""
+    """One arm: a name (its directory), its `train` overrides, and under how many of the --seeds
+    seeds it trains (the first ones)."""
 
     name: str
     overrides: tuple[str, ...]
-    key: bool = False
+    seeds: int = 2
 
 
 BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16")
@@ -54,17 +63,28 @@ CALIBRATED = ("algorithm.calibration.mode=shadow", "algorithm.calibration.every=
 UNIFIED = {"tensorwise": ("model.fp8=tensorwise", "rollout.fp8=per_tensor"),
            "blockwise": ("model.fp8=blockwise", "rollout.fp8=blockwise"),
            "aligned": ("model.fp8=calibrated", "rollout.fp8=aligned")}
+DEFAULT = ("model.fp8=groupwise32", "rollout.fp8=aligned")
+"""The project's default FP8 pipeline (examples/cpu_demo.yaml)."""
 REFERENCE = "bf16"
 """The arm every other is compared with (paired tests on the same held-out problems and seed)."""
-ARMS = (
-    Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none", *MONITOR), key=True),
-    Setting("bf16_fp8block_tis", ("model.dtype=bfloat16", "model.fp8=none", "rollout.fp8=blockwise",
-                                  "algorithm.correction=tis", *MONITOR)),
-    *(Setting(name, (*recipe, *MONITOR), key=name == "tensorwise") for name, recipe in UNIFIED.items()),
-    *(Setting(f"{name}_cc", (*recipe, *CALIBRATED), key=name == "tensorwise") for name, recipe in UNIFIED.items()),
-    Setting("tensorwise_noise", (*UNIFIED["tensorwise"], *MONITOR, "algorithm.old_policy=bypass",
-                                 "algorithm.correction=none")),
+CORE_ARMS = (
+    Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none", *MONITOR), seeds=3),
+    Setting("groupwise32", (*DEFAULT, *MONITOR), seeds=3),
+    Setting("groupwise32_cc", (*DEFAULT, *CALIBRATED), seeds=3),
+    Setting("groupwise32_cc_noise", (*DEFAULT, *CALIBRATED, "algorithm.calibration.rule=noise"), seeds=3),
+    *(Setting(name, (*UNIFIED[name], *MONITOR)) for name in ("tensorwise", "blockwise")),
+    *(Setting(f"{name}_cc", (*UNIFIED[name], *CALIBRATED)) for name in ("tensorwise", "blockwise")),
 )
+"""v3's arms, in every regime."""
+V2_EXTRA_ARMS = (
+    Setting("bf16_fp8block_tis", ("model.dtype=bfloat16", "model.fp8=none", "rollout.fp8=blockwise",
+                                  "algorithm.correction=tis", *MONITOR), seeds=1),
+    Setting("aligned", (*UNIFIED["aligned"], *MONITOR), seeds=1),
+    Setting("aligned_cc", (*UNIFIED["aligned"], *CALIBRATED), seeds=1),
+    Setting("tensorwise_noise", (*UNIFIED["tensorwise"], *MONITOR, "algorithm.old_policy=bypass",
+                                 "algorithm.correction=none"), seeds=1),
+)
+"""v2's other arms (the harsh regime only, where their runs are committed)."""
 
 # The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
 # sampling temperature, two mini-batches per step (so the clip bounds act on a moved policy), and
@@ -88,12 +108,41 @@ COMMON = {"data.train": "builtin:arithmetic", "data.eval": "builtin:arithmetic",
           "algorithm.dynamic_sampling": "false",
           "algorithm.name": "grpo", "algorithm.correction": "none", "algorithm.agg_mode": "seq-mean-token-mean",
           "train.lr": "3e-5", "checkpoint.every": "0"}
-SEEDS = (1, 2)
+SEEDS = (1, 2, 3)
+MODERATE_COMMON = {**COMMON, "rollout.temperature": "1.0", "train.lr": "1e-5", "algorithm.clip.low": "0.2",
+                   "algorithm.clip.high": "0.2", "train.weight_decay": "0.0"}
+"""Issue 44's moderate job: plain GRPO, clip 0.2/0.2, temperature 1, lr 1e-5, no weight decay."""
+MODERATE = {"train.steps": 12, "data.prompts_per_step": 8, "rollout.n_samples": 8, "rollout.max_new_tokens": 20,
+            "train.micro_batch_size": 16, "train.mini_batches": 2, "data.eval_size": 100, "train.eval_every": 4}
 
 
-def study_settings() -> list[Setting]:
-    """The issue's arms, in report order."""
-    return list(ARMS)
+@dataclass(frozen=True)
+class Regime:
+    """A study's job: its shared overrides and run sizes, where its runs go, and its arms."""
+
+    name: str
+    common: dict
+    sizes: dict
+    study_dir: str
+    arms: tuple[Setting, ...]
+    about: str
+
+
+REGIMES = {
+    "harsh": Regime("harsh", COMMON, FULL, "results/stability", (*CORE_ARMS, *V2_EXTRA_ARMS),
+                    "Harsh regime (study v2's job): 2 prompts x 8 samples at temperature 0.7, 16 tokens, "
+                    "lr 3e-5, 2 mini-batches, 30 steps, 64 held-out problems."),
+    **{f"moderate{m}": Regime(f"moderate{m}", MODERATE_COMMON, {**MODERATE, "train.mini_batches": m},
+                              f"results/stability_v3/moderate{m}", CORE_ARMS,
+                              f"Moderate regime, {m} mini-batches: 8 prompts x 8 samples at temperature 1.0, "
+                              "20 tokens, lr 1e-5, clip 0.2/0.2, 12 steps, 100 held-out problems (eval every 4).")
+       for m in (2, 4)},
+}
+
+
+def study_settings(regime: str = "harsh") -> list[Setting]:
+    """The regime's arms, in report order."""
+    return list(REGIMES[regime].arms)
 
 
 def parse_added_setting(spec: str) -> Setting:
@@ -105,11 +154,11 @@ def parse_added_setting(spec: str) -> Setting:
     return Setting(name, overrides)
 
 
-def select_settings(names: str | None, added: list[Setting]) -> list[Setting]:
-    """The settings named in a comma list; when None, the issue's arms plus added ones."""
+def select_settings(names: str | None, added: list[Setting], regime: str = "harsh") -> list[Setting]:
+    """The settings named in a comma list; when None, the regime's arms plus added ones."""
     if names is None:
-        return [*study_settings(), *added]
-    table = {s.name: s for s in [*study_settings(), *added]}
+        return [*study_settings(regime), *added]
+    table = {s.name: s for s in [*study_settings(regime), *added]}
     chosen = [n for n in names.split(",") if n]
     unknown = [n for n in chosen if n not in table]
     if unknown:
@@ -118,16 +167,17 @@ def select_settings(names: str | None, added: list[Setting]) -> list[Setting]:
 
 
 def runs_of(settings: list[Setting], seeds: tuple[int, ...]) -> list[tuple[Setting, int]]:
-    """(arm, seed) pairs to train: key arms under every seed, the others under the first; seed by
-    seed, so a study cut short has every arm's first seed."""
-    return [(s, seed) for i, seed in enumerate(seeds) for s in settings if s.key or i == 0]
+    """(arm, seed) pairs to train: each arm under the first `arm.seeds` seeds; seed by seed, so a
+    study cut short has every arm's first seed."""
+    return [(s, seed) for i, seed in enumerate(seeds) for s in settings if i < s.seeds]
 
 
 def train_command(setting: Setting, run_dir: Path, model: Path, sizes: dict, extra: list[str],
-                  nproc: int, seed: int) -> list[str]:
-    """The torchrun command of one arm and seed (later overrides win: sizes, seed, arm, --set)."""
+                  nproc: int, seed: int, common: dict = COMMON) -> list[str]:
+    """The torchrun command of one arm and seed (later overrides win: the regime's common ones,
+    sizes, seed, arm, --set)."""
     from megatron_fp8rl.compat.tcp_store import free_port  # torch: not at `--help` time
-    overrides = [f"{k}={v}" for k, v in {**COMMON, **sizes, "train.seed": seed}.items()]
+    overrides = [f"{k}={v}" for k, v in {**common, **sizes, "train.seed": seed}.items()]
     overrides += [f"model.hf_path={model}", f"run_dir={run_dir}", *setting.overrides, *extra]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -179,8 +229,10 @@ def _kill_started(marker: str, seen: dict[int, float]) -> None:
 
 PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
             "float32 outside the FP8 GEMMs, the bf16 arms run Megatron bf16 mixed precision and bf16 "
-            "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). Key arms ran every seed, the others "
-            "the first. Command: `megatron-fp8rl stability` (bench/stability.py); per-run plots in runs/.")
+            "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). bf16, groupwise32 (the default: 1x32 "
+            "groups, aligned rollouts), its CC arm and groupwise32_cc_noise (CC with the noise rule) run "
+            "3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1. Command: `megatron-fp8rl stability "
+            "--regime {regime}` (bench/stability.py); per-run plots in runs/.")
 
 
 def config_differences(run_dir: Path, overrides: list[str]) -> list[str]:
@@ -244,26 +296,28 @@ def run_dir_of(study_dir: Path, setting: Setting, seed: int) -> Path:
 def run_study(args: argparse.Namespace) -> int:
     """Train every selected arm x seed not finished yet (summary.json present), within --hours,
     then the report of every finished run (--report-only: the report alone)."""
+    regime = REGIMES[args.regime]
     try:
-        settings = select_settings(args.settings, args.add)
+        settings = select_settings(args.settings, args.add, regime.name)
         seeds = tuple(int(s) for s in args.seeds.split(",") if s)
         model = None if args.report_only else _model_path(Path(args.model))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    sizes = dict(QUICK if args.quick else FULL)
+    sizes = dict(QUICK if args.quick else regime.sizes)
     if args.steps:
         sizes["train.steps"] = args.steps
-    study_dir = Path(args.study_dir)
+    study_dir = Path(args.study_dir or REPO / regime.study_dir)
     study_dir.mkdir(parents=True, exist_ok=True)
     timings_path = study_dir / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     plan = runs_of(settings, seeds)
-    failed = [] if args.report_only else _train(plan, study_dir, model, sizes, args, timings, timings_path)
+    failed = [] if args.report_only else _train(plan, study_dir, model, sizes, args, timings, timings_path,
+                                                regime.common)
     missing = [f"{s.name}/seed{seed}" for s, seed in plan if not _finished(run_dir_of(study_dir, s, seed))]
     print(f"[stability] {len(plan) - len(missing)} of {len(plan)} runs finished"
           + (f"; missing: {', '.join(missing)}" if missing else ""), flush=True)
-    _report(settings, seeds, study_dir, timings)
+    _report(settings, seeds, study_dir, timings, regime)
     if failed:
         print(f"[stability] failed runs: {failed} (logs: <study_dir>/<arm>/seed<k>/train.log)", file=sys.stderr)
     return 1 if failed else 0
@@ -283,12 +337,12 @@ def hours_left(budget_hours: float | None, started: float, timings: dict[str, fl
 
 
 def _train(plan: list[tuple[Setting, int]], study_dir: Path, model: Path, sizes: dict,
-           args: argparse.Namespace, timings: dict[str, float], timings_path: Path) -> list[str]:
+           args: argparse.Namespace, timings: dict[str, float], timings_path: Path, common: dict) -> list[str]:
     """Train the plan's unfinished runs one after another; the labels of the runs that failed."""
     failed, started = [], time.monotonic()
     for number, (setting, seed) in enumerate(plan, 1):
         run_dir, label = run_dir_of(study_dir, setting, seed), f"{setting.name}/seed{seed}"
-        command = train_command(setting, run_dir, model, sizes, args.set, args.nproc, seed)
+        command = train_command(setting, run_dir, model, sizes, args.set, args.nproc, seed, common)
         if _finished(run_dir) and not args.rerun:
             differs = config_differences(run_dir, command[command.index("train") + 1:])
             if not differs:
@@ -320,7 +374,8 @@ def _train(plan: list[tuple[Setting, int]], study_dir: Path, model: Path, sizes:
     return failed
 
 
-def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, timings: dict[str, float]) -> None:
+def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, timings: dict[str, float],
+            regime: Regime) -> None:
     """report/ (the study report and each arm's first seed's per-run plots) of the finished runs."""
     finished = {s.name: {str(seed): run_dir_of(study_dir, s, seed) for seed in seeds
                          if _finished(run_dir_of(study_dir, s, seed))} for s in settings}
@@ -330,7 +385,8 @@ def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, ti
     from megatron_fp8rl.report.markdown import write_report
     from megatron_fp8rl.report.study_report import write_study_report
 
-    report = write_study_report(finished, study_dir / "report", REFERENCE, PREAMBLE,
+    report = write_study_report(finished, study_dir / "report", REFERENCE,
+                                f"{regime.about} {PREAMBLE.format(regime=regime.name)}",
                                 {k: v for k, v in timings.items() if k.split("/")[0] in finished})
     first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]
     names = [arm for arm, dirs in finished.items() if dirs]
@@ -352,15 +408,18 @@ def _model_path(model: Path) -> Path:
 
 
 def add_study_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--study-dir", default="results/stability",
-                        help="<arm>/seed<k>/ run directories, timings.json, report/")
+    parser.add_argument("--regime", choices=sorted(REGIMES), default="harsh",
+                        help="the job: harsh (study v2's), moderate2 / moderate4 (issue 44's, 2 or 4 mini-batches)")
+    parser.add_argument("--study-dir", default=None,
+                        help="<arm>/seed<k>/ run directories, timings.json, report/ (default: the regime's, "
+                             + ", ".join(f"{r.name}: {r.study_dir}" for r in REGIMES.values()) + ")")
     parser.add_argument("--model", default=str(REPO / ".cache" / "smollm2"),
                         help="HF checkpoint (default: SmolLM2-135M-Instruct, materialized on first use)")
     parser.add_argument("--settings", default=None,
-                        help="comma list of arm names (default: the issue's arms and --add ones); "
+                        help="comma list of arm names (default: the regime's arms and --add ones); "
                              "names: " + ", ".join(s.name for s in study_settings()))
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
-                        help="comma list of train.seed values: key arms run each, the others the first")
+                        help="comma list of train.seed values: each arm runs the first 1-3 of them")
     parser.add_argument("--add", type=parse_added_setting, action="append", default=[],
                         help="extra setting NAME:key=value[,key=value...] (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

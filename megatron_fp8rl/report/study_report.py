@@ -235,6 +235,17 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
                      f"{_fmt(cc['overclip_after'], percent=True)}); held-out accuracy {_fmt(plain['accuracy'])} -> "
                      f"{_fmt(cc['accuracy'])} ({reference}: {_fmt(ref['accuracy'])}); "
                      + _paired_text(arms, reference, calibrated) + _limits_text(cc) + ".")
+    for name in sorted(summaries):
+        base, _, rule = name.rpartition("_cc_")
+        if base and f"{base}_cc" in summaries and rule:
+            plain_cc, remedy = summaries[f"{base}_cc"], summaries[name]
+            lines.append(f"- **{name} (CC with the {rule} rule) against {base}_cc, same seeds**: diagnostic "
+                         f"{_fmt(plain_cc['overclip'], percent=True)} -> {_fmt(remedy['overclip'], percent=True)}; "
+                         f"accuracy {_fmt(plain_cc['accuracy'])} -> {_fmt(remedy['accuracy'])}; "
+                         + _paired_text(arms, f"{base}_cc", name) + _limits_text(remedy)
+                         + f" (plain CC{_limits_text(plain_cc)[1:] or ': no limit flags logged'}).")
+    if (match := _match_line(arms, summaries, reference)) is not None:
+        lines.append(match)
     for name in ("aligned", "aligned_cc"):
         if name in summaries:
             s = summaries[name]
@@ -243,6 +254,35 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
                          f"exactly 1), diagnostic on the later mini-batch {_fmt(s['overclip'], percent=True)}, "
                          f"accuracy {_fmt(s['accuracy'])}.")
     return lines
+
+
+MATCH_P = 0.05
+"""An arm matches the reference when its median final accuracy is not below the reference's seed
+range and the paired McNemar against it (pooled over seeds where there are several) has p > MATCH_P."""
+
+
+def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: str) -> str | None:
+    """'- **Which arms match <reference>**: ...' per arm: median [min, max] final accuracy, below,
+    inside or above the reference's seed range, the (pooled) paired p; None without reference runs."""
+    ref = summaries.get(reference)
+    if ref is None or not math.isfinite(ref["accuracy"][0]):
+        return None
+    low, high = ref["accuracy"][1], ref["accuracy"][2]
+    matching, parts = [], []
+    for name, summary in summaries.items():
+        if name == reference:
+            continue
+        tests = _paired_tests(arms, reference, name)
+        test = tests.get(POOLED, next(iter(tests.values()), None) if len(tests) == 1 else None)
+        median = summary["accuracy"][0]
+        where = "below" if median < low else "above" if median > high else "inside"
+        if where != "below" and test is not None and test["mcnemar_p"] > MATCH_P:
+            matching.append(name)
+        p_text = f"p = {test['mcnemar_p']:.2g}" if test is not None else "no paired test"
+        parts.append(f"{name} {_fmt(summary['accuracy'])} ({where}, {p_text})")
+    return (f"- **Which arms match {reference}** (median final accuracy inside or above {reference}'s seed "
+            f"range {_fmt(ref['accuracy'])} and paired McNemar p > {MATCH_P:g}, pooled over seeds): "
+            + (", ".join(matching) if matching else "none") + ". All: " + "; ".join(parts) + ".")
 
 
 def _limits_text(summary: dict[str, tuple[float, float, float]]) -> str:

@@ -8,21 +8,22 @@ import pytest
 
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.report.study import (
-    COMMON, FULL, QUICK, SEEDS, Setting, parse_added_setting, runs_of, select_settings, study_settings,
+    COMMON, FULL, QUICK, REGIMES, SEEDS, Setting, parse_added_setting, runs_of, select_settings, study_settings,
     train_command,
 )
 from megatron_fp8rl.trainer.config import RunConfig
 from tests.helpers.processes import REPO
 
 
-def _config(overrides):
-    return load_config(RunConfig, None, [f"{k}={v}" for k, v in COMMON.items()] + list(overrides))
+def _config(overrides, common=COMMON):
+    return load_config(RunConfig, None, [f"{k}={v}" for k, v in common.items()] + list(overrides))
 
 
 def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
-    assert list(by_name) == ["bf16", "bf16_fp8block_tis", "tensorwise", "blockwise", "aligned",
-                             "tensorwise_cc", "blockwise_cc", "aligned_cc", "tensorwise_noise"]
+    assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "tensorwise",
+                             "blockwise", "tensorwise_cc", "blockwise_cc", "bf16_fp8block_tis", "aligned",
+                             "aligned_cc", "tensorwise_noise"]
     bf16 = by_name["bf16"]
     assert (bf16.model.dtype, bf16.rollout.dtype, bf16.model.fp8, bf16.rollout.fp8) == ("bfloat16",) * 2 + ("none",) * 2
     tis = by_name["bf16_fp8block_tis"]
@@ -30,21 +31,26 @@ def test_the_issue_arms():
     for arm in (bf16, tis):  # the diagnostic on the bf16 arms too: their float32 shadow
         assert (arm.algorithm.calibration.mode, arm.algorithm.calibration.every) == ("monitor", 1)
     for name, (trainer, rollout) in {"tensorwise": ("tensorwise", "per_tensor"), "blockwise": ("blockwise", "blockwise"),
-                                     "aligned": ("calibrated", "aligned")}.items():
+                                     "aligned": ("calibrated", "aligned"), "groupwise32": ("groupwise32", "aligned")}.items():
         plain, cc = by_name[name], by_name[f"{name}_cc"]
         assert (plain.model.fp8, plain.rollout.fp8) == (cc.model.fp8, cc.rollout.fp8) == (trainer, rollout)
         # the diagnostic every step on every FP8 arm: measured (monitor) or applied (shadow)
         assert (plain.algorithm.calibration.mode, cc.algorithm.calibration.mode) == ("monitor", "shadow")
         assert plain.algorithm.calibration.every == cc.algorithm.calibration.every == 1
+    remedy, cc = by_name["groupwise32_cc_noise"], by_name["groupwise32_cc"]
+    assert (remedy.algorithm.calibration.rule, cc.algorithm.calibration.rule) == ("noise", "quantile")
+    assert remedy.algorithm.calibration.mode == "shadow" and (remedy.model.fp8, remedy.rollout.fp8) == ("groupwise32", "aligned")
     noise = by_name["tensorwise_noise"]
     assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
     assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm
 
 
-@pytest.mark.parametrize("sizes", [FULL, QUICK], ids=["full", "quick"])
-def test_sizes_and_all_settings_are_valid_config(sizes):
-    for setting in study_settings():
-        cfg = _config([f"{k}={v}" for k, v in sizes.items()] + ["model.hf_path=m", *setting.overrides])
+@pytest.mark.parametrize("regime,sizes", [(name, sizes) for name, regime in REGIMES.items()
+                                          for sizes in (regime.sizes, QUICK)])
+def test_sizes_and_all_settings_are_valid_config(regime, sizes):
+    for setting in study_settings(regime):
+        cfg = _config([f"{k}={v}" for k, v in sizes.items()] + ["model.hf_path=m", *setting.overrides],
+                      REGIMES[regime].common)
         assert cfg.train.mini_batches >= 2  # the clip bounds act on a moved policy (issue 23)
         # mini-batches that split into whole micro-batches: no all-padding micro-batch, whose NaN
         # ratio quantiles would drop the step from the logs
@@ -52,11 +58,31 @@ def test_sizes_and_all_settings_are_valid_config(sizes):
     assert FULL["train.steps"] >= 30
 
 
-def test_key_arms_run_every_seed_first_seeds_first():
-    arms = [Setting("a", (), key=True), Setting("b", ()), Setting("c", (), key=True)]
-    assert [(s.name, seed) for s, seed in runs_of(arms, (1, 2))] == [("a", 1), ("b", 1), ("c", 1), ("a", 2), ("c", 2)]
-    key = [s.name for s in study_settings() if s.key]
-    assert "bf16" in key and len(key) >= 3 and len(SEEDS) >= 2
+def test_each_arm_runs_its_first_seeds_first_seeds_first():
+    arms = [Setting("a", (), seeds=3), Setting("b", (), seeds=1), Setting("c", ())]
+    assert [(s.name, seed) for s, seed in runs_of(arms, (1, 2, 3))] == [
+        ("a", 1), ("b", 1), ("c", 1), ("a", 2), ("c", 2), ("a", 3)]
+    for regime in REGIMES:  # issue 44: three seeds for bf16, the default and its CC arm, two for the others
+        seeds = {s.name: s.seeds for s in study_settings(regime)}
+        assert seeds["bf16"] == seeds["groupwise32"] == seeds["groupwise32_cc"] == seeds["groupwise32_cc_noise"] == 3
+        assert all(seeds[f"{name}{cc}"] == 2 for name in ("tensorwise", "blockwise") for cc in ("", "_cc"))
+    assert len(SEEDS) == 3
+
+
+def test_the_moderate_regimes_are_the_issues_job():
+    """Issue 44: 8 x 8 at temperature 1, 20 tokens, lr 1e-5, plain GRPO clip 0.2/0.2, no weight decay,
+    12 steps, eval every 4 on 100 held-out problems of the built-in task, 2 or 4 mini-batches."""
+    for mini_batches in (2, 4):
+        regime = REGIMES[f"moderate{mini_batches}"]
+        cfg = _config([f"{k}={v}" for k, v in regime.sizes.items()] + ["model.hf_path=m"], regime.common)
+        assert (cfg.data.prompts_per_step, cfg.rollout.n_samples, cfg.rollout.max_new_tokens) == (8, 8, 20)
+        assert (cfg.rollout.temperature, cfg.train.lr, cfg.train.weight_decay) == (1.0, 1e-5, 0.0)
+        assert (cfg.algorithm.name, cfg.algorithm.clip.low, cfg.algorithm.clip.high) == ("grpo", 0.2, 0.2)
+        assert (cfg.train.steps, cfg.train.eval_every, cfg.data.eval_size) == (12, 4, 100)
+        assert cfg.train.mini_batches == mini_batches and not cfg.algorithm.dynamic_sampling
+        assert cfg.data.train == cfg.data.eval == "builtin:arithmetic"  # held-out problems are disjoint
+        assert regime.study_dir == f"results/stability_v3/moderate{mini_batches}"
+    assert REGIMES["harsh"].sizes is FULL and REGIMES["harsh"].study_dir == "results/stability"
 
 
 def test_selection_and_added_settings():

@@ -131,3 +131,26 @@ def test_diagnostic_pooled_over_negative_values_weights_each_step_by_its_count(t
     report = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
     assert "| tensorwise | 1 | 16.7% | 1.1% (93) |" in report and "| tensorwise_cc | 1 | 5.0% | n/a |" in report
     assert "tensorwise 16.7% (pooled over its A<0 values: 1.1%)" in report
+
+
+def test_verdict_says_which_arms_match_the_reference_and_what_a_remedy_changes_against_plain_cc(study):
+    """Issue 44's verdict: an arm matches bf16 when its median final accuracy is not below bf16's
+    seed range and the paired McNemar has p > 0.05; a `<arm>_cc_<rule>` remedy is set against `<arm>_cc`
+    on the same seeds."""
+    tmp_path, runs = study
+    runs["tensorwise_cc_noise"] = {"1": _run(tmp_path / "n1", {**_scalars([0.001] * 8), "clip/low_at_limit": [0.0] * 8,
+                                                               "clip/high_at_limit": [0.0] * 8},
+                                             {8: [1, 0, 1, 0, 1, 0, 1, 0, 1, 1]})}
+    arms = {name: [run_figures(d, name, seed) for seed, d in seeds.items()] for name, seeds in runs.items()}
+    lines = verdict_lines(arms, "bf16")
+    match = next(line for line in lines if line.startswith("- **Which arms match bf16**"))
+    lost3 = paired_eval_change([bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]] * 2,
+                               [bool(c) for c in [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]] * 2)["mcnemar_p"]
+    assert "range 0.400 and paired McNemar p > 0.05, pooled over seeds): tensorwise_cc, tensorwise_cc_noise." in match
+    assert f"tensorwise 0.100 (below, p = {lost3:.2g})" in match  # pooled over its two seeds
+    assert "tensorwise_cc_noise 0.600 (above, p = 0.5)" in match
+    assert "tensorwise_cc 0.400 (inside, p = 1)" in match
+    remedy = next(line for line in lines if "tensorwise_cc_noise (CC with the noise rule) against tensorwise_cc" in line)
+    assert "diagnostic 0.2% -> 0.1%; accuracy 0.400 -> 0.600" in remedy
+    assert "vs tensorwise_cc on the same problems: seed 1: 2 gained / 0 lost" in remedy
+    assert "L at a limit on 0.0% of steps" in remedy and "(plain CC L at a limit on 75.0% of steps" in remedy
