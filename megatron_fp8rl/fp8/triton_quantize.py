@@ -70,6 +70,18 @@ def _scale_of(bound, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr):
     return tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
 
 
+def _load_tile(x_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_K] tile of x [M, K] in fp32 (0 outside x): (rows, cols, the
+    in-bounds mask, x, |x|, |x| finite, |x| with non-finite elements as 0)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    magnitude = tl.abs(x)
+    finite = magnitude < float("inf")
+    return rows, cols, inside, x, magnitude, finite, tl.where(finite, magnitude, 0.0)
+
+
 def _quantize_kernel(x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, scale_ptr, amax_ptr, counts_ptr,
                      M, K, stride_xm, stride_qm, stride_qtk, stride_sm, stride_stk,
                      FMAX: tl.constexpr, LIMIT: tl.constexpr, SHIFT: tl.constexpr, HALF: tl.constexpr,
@@ -84,13 +96,7 @@ def _quantize_kernel(x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, scale_ptr, amax_ptr, c
     qt [K, M] and st [K, cdiv(M, BLOCK_M)]. AMAX: this program's max |x| over non-NaN elements
     into amax_ptr[program]. STATS: add the counters (COUNTERS) into counts_ptr."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    inside = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    magnitude = tl.abs(x)
-    finite = magnitude < float("inf")
-    finite_mag = tl.where(finite, magnitude, 0.0)
+    rows, cols, inside, x, magnitude, finite, finite_mag = _load_tile(x_ptr, M, K, stride_xm, BLOCK_M, BLOCK_K)
     if SCALES == 0:
         scale = tl.load(scale_ptr)
     elif SCALES == 1:
@@ -134,13 +140,8 @@ def _amax_kernel(x_ptr, rowmax_ptr, scale_ptr, counts_ptr, M, K, stride_xm, LIMI
     """Each row's max |x| over its finite elements within this program's columns into
     rowmax [cdiv(K, BLOCK_K), M]; OVERFLOW: add the count of elements whose |x * scale_ptr[0]| is
     finite and above LIMIT (the calibrated recipe's overflow check) into counts_ptr[0]."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    inside = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    magnitude = tl.abs(x)
-    finite_mag = tl.where(magnitude < float("inf"), magnitude, 0.0)
+    pid_k = tl.program_id(1)
+    rows, cols, inside, x, magnitude, finite, finite_mag = _load_tile(x_ptr, M, K, stride_xm, BLOCK_M, BLOCK_K)
     tl.store(rowmax_ptr + pid_k * M + rows, _max(finite_mag, 1), mask=rows < M)
     if OVERFLOW:
         scaled = tl.abs(x * tl.load(scale_ptr))
@@ -152,8 +153,10 @@ def _reductions(interpret: bool) -> dict:
     """The names the kernels call for reductions and helpers, per mode (module docstring): the
     interpreter runs the undecorated bodies; compiled kernels call JIT functions."""
     if interpret:
-        return {"_max": tl.max.fn, "_sum": tl.sum.fn, "_fp8_codes": _fp8_codes, "_scale_of": _scale_of}
-    return {"_max": tl.max, "_sum": tl.sum, "_fp8_codes": triton.jit(_fp8_codes), "_scale_of": triton.jit(_scale_of)}
+        return {"_max": tl.max.fn, "_sum": tl.sum.fn, "_fp8_codes": _fp8_codes, "_scale_of": _scale_of,
+                "_load_tile": _load_tile}
+    return {"_max": tl.max, "_sum": tl.sum, "_fp8_codes": triton.jit(_fp8_codes), "_scale_of": triton.jit(_scale_of),
+            "_load_tile": triton.jit(_load_tile)}
 
 
 @functools.cache

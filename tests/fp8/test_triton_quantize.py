@@ -126,10 +126,11 @@ def test_amax_pass_gives_finite_row_maxima_and_the_overflow_count():
     assert int(counts[0]) == int((torch.isfinite(scaled) & (scaled > E4M3.rounding_limit)).sum())
 
 
-def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
-    monkeypatch.setattr(tq.triton.knobs.runtime, "interpret", False)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        tq.quantize_codes(torch.ones(2, 4), E4M3, "tensor", scale=torch.tensor(1.0))
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    with tq.triton.knobs.runtime.scope():  # restores the knob to reading the environment afterwards
+        tq.triton.knobs.runtime.interpret = False
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            tq.quantize_codes(torch.ones(2, 4), E4M3, "tensor", scale=torch.tensor(1.0))
 
 
 RECIPES = ["calibrated", "te_delayed", "megatron_delayed", "tensorwise", "blockwise", "groupwise", "groupwise32"]
@@ -181,3 +182,29 @@ def test_stats_object_reads_nothing_until_asked():
     stats = quantizer.last_stats
     assert isinstance(stats, DeviceQuantStats) and stats.counts.dtype == torch.int64
     assert [f.name for f in dataclasses.fields(stats.materialize())] == list(stats.as_floats())
+
+
+@pytest.mark.parametrize("scales,colwise,transposed", [(0, False, True), (2, True, False), (3, False, True)])
+def test_gpu_code_path_of_the_quantize_kernels_compiles_for_sm90(monkeypatch, scales, colwise, transposed):
+    """Triton compiles both kernels' GPU path (the JIT-wrapped helpers `_load_tile`, `_fp8_codes`,
+    `_scale_of` and tl.max / tl.sum, every output and counter on) for an H100/H200 without a GPU:
+    what the interpreter tests above run is the body the GPU compiles."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    quantize, amax = tq._kernels(False)
+    ints = ("M", "K", "stride_xm", "stride_qm", "stride_qtk", "stride_sm", "stride_stk")
+    signature = {**dict.fromkeys(ints, "i32"), "x_ptr": "*bf16", "q_ptr": "*u8", "qt_ptr": "*u8", "s_ptr": "*fp32",
+                 "st_ptr": "*fp32", "scale_ptr": "*fp32", "amax_ptr": "*fp32", "counts_ptr": "*i64"}
+    block = (128, 128) if scales == 3 or colwise else (32, 128)
+    constants = dict(tq.format_constants("e4m3"), MARGIN_MUL=1.0, SCALES=scales, TRANSPOSED=transposed,
+                     COLWISE=colwise, AMAX=True, STATS=True, BLOCK_M=block[0], BLOCK_K=block[1])
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    ptx = compile(ASTSource(quantize, signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "atom.global" in ptx or "red.global" in ptx  # the statistics counters, added on the device
+    signature = {"x_ptr": "*fp32", "rowmax_ptr": "*fp32", "scale_ptr": "*fp32", "counts_ptr": "*i64", "M": "i32",
+                 "K": "i32", "stride_xm": "i32"}
+    constants = dict(LIMIT=464.0, OVERFLOW=True, BLOCK_M=32, BLOCK_K=128)
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    assert ".entry" in compile(ASTSource(amax, signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
