@@ -7,7 +7,8 @@ high-precision twin's, without touching weights, optimizer state or FP8 scaling 
 - a Megatron bf16/fp16 mixed-precision model without FP8 linears (Float16Module, DDP): its
   low-precision parameters are seen as float32 copies for the duration (the same values, upcast),
   so the forward is the float32 model with those weights: the reference a bf16 arm's ratio is
-  compared with.
+  compared with. The parameters themselves stay untouched (their gradient accumulators, which
+  Megatron DDP hooks, included).
 A float32 model without FP8 linears has no higher precision to compare with: ValueError.
 Must not import: anything above layer L2 (convert, rollout, data, trainer, cli).
 
@@ -47,11 +48,17 @@ def high_precision_shadow(model: torch.nn.Module):
         raise ValueError(f"high_precision_shadow: {casting[0]} is Megatron's DotProductAttention, whose softmax "
                          "casts attention probabilities to the config's low precision; the upcast shadow needs "
                          "the trainer's SdpaAttention (models/megatron_attention.py)")
-    saved = [p.data for p in params]
+    # Each module's low-precision parameter is replaced, for the block, by a float32 copy that
+    # needs no gradient; the Parameter objects themselves are never touched. (Setting `param.data`
+    # to a float32 tensor and back, as this did before, resets the parameter's gradient
+    # accumulator: Megatron DDP's hooks sit on the old one, so later backwards never reached the
+    # grad buffers and a bf16 trainer with a shadow did not train at all.)
+    swapped = [(module, name, param) for module in model.modules()
+               for name, param in module.named_parameters(recurse=False) if param.dtype in LOW_PRECISION]
     try:
-        for param in params:
-            param.data = param.data.float()
+        for module, name, param in swapped:
+            module._parameters[name] = torch.nn.Parameter(param.detach().float(), requires_grad=False)
         yield
     finally:
-        for param, data in zip(params, saved):
-            param.data = data
+        for module, name, param in swapped:
+            module._parameters[name] = param

@@ -42,6 +42,25 @@ def test_bf16_shadow_is_the_float32_twin_and_restores_the_weights(megatron_tp1):
         assert param.data_ptr() == pointer and param.dtype == dtype and torch.equal(param.detach(), bits)
 
 
+def test_a_bf16_model_still_trains_after_its_shadow_ran(megatron_tp1):
+    """After the shadow, a backward still reaches Megatron DDP's fp32 grad buffers (main_grad).
+    Before the fix the shadow set each parameter's .data to float32 and back, which resets its
+    gradient accumulator: DDP's hooks never fired again, every main_grad stayed 0 and a bf16
+    trainer with calibration.mode=monitor/shadow logged grad_norm 0 and never moved."""
+    from megatron_fp8rl.models.shadow import high_precision_shadow
+    from megatron_fp8rl.trainer.megatron_step import wrap_ddp
+
+    trained = wrap_ddp(_model(torch.bfloat16), distributed_optimizer=True)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with high_precision_shadow(trained):
+        _logits(trained, tokens)
+    trained.zero_grad_buffer()
+    trained(tokens, torch.arange(SEQ).expand(BATCH, SEQ), None).float().square().mean().backward()
+    reached = [p.main_grad.abs().sum().item() > 0 for p in trained.parameters()]
+    assert all(reached), f"{reached.count(False)} of {len(reached)} parameters' main_grad stayed 0"
+    assert all(p.grad is None for p in trained.parameters())  # DDP's hook moved every grad into main_grad
+
+
 def test_shadow_refuses_a_model_with_nothing_higher_to_compare(megatron_tp1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
