@@ -418,15 +418,26 @@ def _responses_section(arms: dict[str, list[RunFigures]]) -> list[str]:
     return ["## What each arm writes at the end", "", *lines] if lines else []
 
 
+def never_updated(run_dir: Path) -> bool:
+    """Whether a run logged train/grad_norm and it was 0 on every step: no gradient ever reached
+    the optimizer (the bf16 shadow defect fixed in models/shadow.py left such runs behind)."""
+    series = _series(load_run(run_dir), "train/grad_norm")
+    return series is not None and len(series[1]) > 0 and not np.any(series[1] != 0)
+
+
 def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, reference: str, preamble: str,
                        wall_seconds: dict[str, float] | None = None) -> Path:
     """report.md + curves.png + accuracy.png in `out_dir` from {arm: {seed: run_dir}} (finished
     runs only); returns report.md's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    stuck = [f"{arm}/seed{seed}" for arm, seeds in runs.items() for seed, d in seeds.items() if never_updated(d)]
+    runs = {arm: {seed: d for seed, d in seeds.items() if f"{arm}/seed{seed}" not in stuck} for arm, seeds in runs.items()}
     arms = {arm: [run_figures(d, arm, seed) for seed, d in seeds.items()] for arm, seeds in runs.items() if seeds}
     curves = _curves_figure(arms, out_dir / "curves.png")
     accuracy = _accuracy_figure(arms, out_dir / "accuracy.png")
-    lines = ["# FP8 stability study", "", preamble, "", "## Verdict", "", *verdict_lines(arms, reference), "",
+    excluded = ([f"- **Excluded**: {', '.join(stuck)}: train/grad_norm was 0 on every step (the model never "
+                 "moved), so the run measures nothing; train it again."] if stuck else [])
+    lines = ["# FP8 stability study", "", preamble, "", "## Verdict", "", *excluded, *verdict_lines(arms, reference), "",
              f"## Arms (median [min, max] over seeds; final figures: mean of the last {TAIL} steps)", "",
              *_table(arms, reference), "", f"![per-step curves]({curves.name})", "",
              f"![final accuracy]({accuracy.name})", ""]

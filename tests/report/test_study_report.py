@@ -154,3 +154,14 @@ def test_verdict_says_which_arms_match_the_reference_and_what_a_remedy_changes_a
     assert "diagnostic 0.2% -> 0.1%; accuracy 0.400 -> 0.600" in remedy
     assert "vs tensorwise_cc on the same problems: seed 1: 2 gained / 0 lost" in remedy
     assert "L at a limit on 0.0% of steps" in remedy and "(plain CC L at a limit on 75.0% of steps" in remedy
+
+
+def test_a_run_that_never_updated_is_excluded_and_named(study):
+    """train/grad_norm 0 on every step: the model never moved (the bf16 shadow defect), so the run
+    is left out of every figure and the verdict names it; a run with one non-zero step stays."""
+    tmp_path, runs = study
+    runs["bf16"]["3"] = _run(tmp_path / "r3", {**_scalars(), "train/grad_norm": [0.0] * 8}, {0: [0] * 10, 8: [1] * 10})
+    runs["bf16"]["4"] = _run(tmp_path / "r4", {**_scalars(), "train/grad_norm": [0.0] * 7 + [0.5]}, {0: [0] * 10, 8: [0] * 10})
+    text = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
+    assert "- **Excluded**: bf16/seed3: train/grad_norm was 0 on every step" in text
+    assert "| bf16 | 3 |" in text  # seeds 1, 2 and 4: seed 3 is in no figure
