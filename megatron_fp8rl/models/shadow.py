@@ -38,8 +38,14 @@ def high_precision_shadow(model: torch.nn.Module):
         with high_precision_fp8_linears(model):
             yield
         return
-    params = [p for p in model.parameters() if p.dtype in LOW_PRECISION]
-    if not params:
+    # Each module's low-precision parameter is replaced, for the block, by a float32 copy that
+    # needs no gradient; the Parameter objects themselves are never touched. (Setting `param.data`
+    # to a float32 tensor and back, as this did before, resets the parameter's gradient
+    # accumulator: Megatron DDP's hooks sit on the old one, so later backwards never reached the
+    # grad buffers and a bf16 trainer with a shadow did not train at all.)
+    swapped = [(module, name, param) for module in model.modules()
+               for name, param in module.named_parameters(recurse=False) if param.dtype in LOW_PRECISION]
+    if not swapped:
         raise ValueError("high_precision_shadow: the model has neither FP8 linears nor bf16/fp16 weights: "
                          "no higher precision to compare its forward with")
     casting = [name for name, m in model.named_modules()
@@ -48,13 +54,6 @@ def high_precision_shadow(model: torch.nn.Module):
         raise ValueError(f"high_precision_shadow: {casting[0]} is Megatron's DotProductAttention, whose softmax "
                          "casts attention probabilities to the config's low precision; the upcast shadow needs "
                          "the trainer's SdpaAttention (models/megatron_attention.py)")
-    # Each module's low-precision parameter is replaced, for the block, by a float32 copy that
-    # needs no gradient; the Parameter objects themselves are never touched. (Setting `param.data`
-    # to a float32 tensor and back, as this did before, resets the parameter's gradient
-    # accumulator: Megatron DDP's hooks sit on the old one, so later backwards never reached the
-    # grad buffers and a bf16 trainer with a shadow did not train at all.)
-    swapped = [(module, name, param) for module in model.modules()
-               for name, param in module.named_parameters(recurse=False) if param.dtype in LOW_PRECISION]
     try:
         for module, name, param in swapped:
             module._parameters[name] = torch.nn.Parameter(param.detach().float(), requires_grad=False)

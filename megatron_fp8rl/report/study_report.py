@@ -67,6 +67,9 @@ class RunFigures:
     """Per-problem correctness of the last eval (eval_correct.json), for the paired tests."""
     last_responses: tuple[int, str] | None = None
     """(step, text) of the last logged samples/responses: what the policy wrote at the end."""
+    never_updated: bool = False
+    """The run logged train/grad_norm and it was 0 on every step: no gradient ever reached the
+    optimizer (the bf16 shadow defect fixed in models/shadow.py left such runs behind)."""
 
 
 CURVES = {"clip/neg_overclip_before": "A<0 tokens over-clipped vs the shadow (diagnostic)",
@@ -154,7 +157,9 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
         values["accuracy"] = float(np.mean(eval_final))
     shown = run.texts.get("samples/responses")
     last = (max(shown), shown[max(shown)]) if shown else None
-    return RunFigures(arm, seed, values, curves, eval_final, last)
+    grad_norm = _series(run, "train/grad_norm")
+    return RunFigures(arm, seed, values, curves, eval_final, last,
+                      never_updated=grad_norm is not None and not grad_norm[1].any())
 
 
 def paired_against(reference: RunFigures, run: RunFigures) -> dict[str, float] | None:
@@ -418,21 +423,14 @@ def _responses_section(arms: dict[str, list[RunFigures]]) -> list[str]:
     return ["## What each arm writes at the end", "", *lines] if lines else []
 
 
-def never_updated(run_dir: Path) -> bool:
-    """Whether a run logged train/grad_norm and it was 0 on every step: no gradient ever reached
-    the optimizer (the bf16 shadow defect fixed in models/shadow.py left such runs behind)."""
-    series = _series(load_run(run_dir), "train/grad_norm")
-    return series is not None and len(series[1]) > 0 and not np.any(series[1] != 0)
-
-
 def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, reference: str, preamble: str,
                        wall_seconds: dict[str, float] | None = None) -> Path:
     """report.md + curves.png + accuracy.png in `out_dir` from {arm: {seed: run_dir}} (finished
     runs only); returns report.md's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stuck = [f"{arm}/seed{seed}" for arm, seeds in runs.items() for seed, d in seeds.items() if never_updated(d)]
-    runs = {arm: {seed: d for seed, d in seeds.items() if f"{arm}/seed{seed}" not in stuck} for arm, seeds in runs.items()}
-    arms = {arm: [run_figures(d, arm, seed) for seed, d in seeds.items()] for arm, seeds in runs.items() if seeds}
+    figures = {arm: [run_figures(d, arm, seed) for seed, d in seeds.items()] for arm, seeds in runs.items()}
+    stuck = [f"{f.arm}/seed{f.seed}" for found in figures.values() for f in found if f.never_updated]
+    arms = {arm: kept for arm, found in figures.items() if (kept := [f for f in found if not f.never_updated])}
     curves = _curves_figure(arms, out_dir / "curves.png")
     accuracy = _accuracy_figure(arms, out_dir / "accuracy.png")
     excluded = ([f"- **Excluded**: {', '.join(stuck)}: train/grad_norm was 0 on every step (the model never "
