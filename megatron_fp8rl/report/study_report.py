@@ -263,17 +263,20 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
 
 MATCH_P = 0.05
 """An arm matches the reference when its median final accuracy is not below the reference's seed
-range and the paired McNemar against it (pooled over seeds where there are several) has p > MATCH_P."""
+range and the paired McNemar against it (pooled over seeds where there are several) has p > MATCH_P;
+it beats the reference when its median is above that range and the test has p <= MATCH_P with more
+problems gained than lost (the reference falls short of it)."""
 
 
 def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: str) -> str | None:
     """'- **Which arms match <reference>**: ...' per arm: median [min, max] final accuracy, below,
-    inside or above the reference's seed range, the (pooled) paired p; None without reference runs."""
+    inside or above the reference's seed range, the (pooled) paired p and gained/lost; the arms that match
+    and those that beat it (MATCH_P); None without reference runs."""
     ref = summaries.get(reference)
     if ref is None or not math.isfinite(ref["accuracy"][0]):
         return None
     low, high = ref["accuracy"][1], ref["accuracy"][2]
-    matching, parts = [], []
+    matching, beating, parts = [], [], []
     for name, summary in summaries.items():
         if name == reference:
             continue
@@ -283,11 +286,16 @@ def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: s
         where = "below" if median < low else "above" if median > high else "inside"
         if where != "below" and test is not None and test["mcnemar_p"] > MATCH_P:
             matching.append(name)
-        p_text = f"p = {test['mcnemar_p']:.2g}" if test is not None else "no paired test"
+        elif where == "above" and test is not None and test["gained"] > test["lost"]:
+            beating.append(name)  # significantly better on the same problems: more than a match
+        p_text = (f"p = {test['mcnemar_p']:.2g}, +{test['gained']:.0f}/-{test['lost']:.0f}" if test is not None
+                  else "no paired test")
         parts.append(f"{name} {_fmt(summary['accuracy'])} ({where}, {p_text})")
+    beat_text = (f" Which beat it (median above that range, paired p <= {MATCH_P:g} with more problems gained "
+                 f"than lost): {', '.join(beating)}." if beating else "")
     return (f"- **Which arms match {reference}** (median final accuracy inside or above {reference}'s seed "
             f"range {_fmt(ref['accuracy'])} and paired McNemar p > {MATCH_P:g}, pooled over seeds): "
-            + (", ".join(matching) if matching else "none") + ". All: " + "; ".join(parts) + ".")
+            + (", ".join(matching) if matching else "none") + "." + beat_text + " All: " + "; ".join(parts) + ".")
 
 
 def _limits_text(summary: dict[str, tuple[float, float, float]]) -> str:

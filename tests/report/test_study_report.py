@@ -147,9 +147,10 @@ def test_verdict_says_which_arms_match_the_reference_and_what_a_remedy_changes_a
     lost3 = paired_eval_change([bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]] * 2,
                                [bool(c) for c in [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]] * 2)["mcnemar_p"]
     assert "range 0.400 and paired McNemar p > 0.05, pooled over seeds): tensorwise_cc, tensorwise_cc_noise." in match
-    assert f"tensorwise 0.100 (below, p = {lost3:.2g})" in match  # pooled over its two seeds
-    assert "tensorwise_cc_noise 0.600 (above, p = 0.5)" in match
-    assert "tensorwise_cc 0.400 (inside, p = 1)" in match
+    assert f"tensorwise 0.100 (below, p = {lost3:.2g}, +0/-6)" in match  # pooled over its two seeds
+    assert "tensorwise_cc_noise 0.600 (above, p = 0.5, +2/-0)" in match
+    assert "tensorwise_cc 0.400 (inside, p = 1, +0/-0)" in match
+    assert "Which beat it" not in match  # p 0.5: above the range but not shown better
     remedy = next(line for line in lines if "tensorwise_cc_noise (CC with the noise rule) against tensorwise_cc" in line)
     assert "diagnostic 0.2% -> 0.1%; accuracy 0.400 -> 0.600" in remedy
     assert "vs tensorwise_cc on the same problems: seed 1: 2 gained / 0 lost" in remedy
@@ -165,3 +166,20 @@ def test_a_run_that_never_updated_is_excluded_and_named(study):
     text = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
     assert "- **Excluded**: bf16/seed3: train/grad_norm was 0 on every step" in text
     assert "| bf16 | 3 |" in text  # seeds 1, 2 and 4: seed 3 is in no figure
+
+
+def test_an_arm_significantly_better_than_the_reference_is_said_to_beat_it(study):
+    """Above the reference's seed range with a paired p <= 0.05 in its favour: not a 'match' (the
+    two differ), but not a failure either; the verdict says it beats the reference. The same p
+    against it (more lost) is neither."""
+    tmp_path, runs = study
+    good, ref_eval = [1] * 10, [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]  # 6 gained against the reference per seed
+    runs["better"] = {seed: _run(tmp_path / f"b{seed}", _scalars([0.001] * 8), {8: good}) for seed in ("1", "2")}
+    runs["worse"] = {seed: _run(tmp_path / f"w{seed}", _scalars([0.001] * 8), {8: [0] * 10}) for seed in ("1", "2")}
+    arms = {name: [run_figures(d, name, seed) for seed, d in seeds.items()] for name, seeds in runs.items()}
+    match = next(line for line in verdict_lines(arms, "bf16") if line.startswith("- **Which arms match bf16**"))
+    p = paired_eval_change([bool(c) for c in ref_eval] * 2, [True] * 20)["mcnemar_p"]
+    assert p <= 0.05
+    assert "Which beat it (median above that range, paired p <= 0.05 with more problems gained than lost): better." in match
+    assert f"better 1.000 (above, p = {p:.2g}, +12/-0)" in match and "worse 0.000 (below" in match
+    assert "pooled over seeds): tensorwise_cc. Which beat" in match  # better is not in the match list
