@@ -317,7 +317,10 @@ def run_study(args: argparse.Namespace) -> int:
     missing = [f"{s.name}/seed{seed}" for s, seed in plan if not _finished(run_dir_of(study_dir, s, seed))]
     print(f"[stability] {len(plan) - len(missing)} of {len(plan)} runs finished"
           + (f"; missing: {', '.join(missing)}" if missing else ""), flush=True)
-    _report(settings, seeds, study_dir, timings, regime)
+    # the report covers every finished run of the regime (its arms, --add ones, every seed), not only
+    # what this invocation selected: `--settings x` must not shrink the committed report to x
+    reported = list({s.name: s for s in [*study_settings(regime.name), *args.add, *settings]}.values())
+    _report(reported, tuple(sorted({*SEEDS, *seeds})), study_dir, timings, regime)
     if failed:
         print(f"[stability] failed runs: {failed} (logs: <study_dir>/<arm>/seed<k>/train.log)", file=sys.stderr)
     return 1 if failed else 0
@@ -379,7 +382,8 @@ def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, ti
     """report/ (the study report and each arm's first seed's per-run plots) of the finished runs."""
     finished = {s.name: {str(seed): run_dir_of(study_dir, s, seed) for seed in seeds
                          if _finished(run_dir_of(study_dir, s, seed))} for s in settings}
-    if not any(finished.values()):
+    finished = {name: dirs for name, dirs in finished.items() if dirs}
+    if not finished:
         return
     # matplotlib: only when reporting
     from megatron_fp8rl.report.markdown import write_report

@@ -199,6 +199,21 @@ def test_report_only_reports_what_finished_and_names_the_missing_runs(tmp_path, 
     assert not (tmp_path / "tensorwise").exists()  # nothing trained
 
 
+def test_a_report_after_a_selected_arm_still_covers_every_finished_run(tmp_path, capsys):
+    """`--settings tensorwise --seeds 2` trains (here: reports) one arm and seed; the regime's
+    report it rewrites must keep the other arms' and seeds' finished runs, not shrink to that arm."""
+    from megatron_fp8rl.report.study import main
+
+    _finished_run(_mkdir(tmp_path / "bf16" / "seed1"))
+    _finished_run(_mkdir(tmp_path / "bf16" / "seed3"))
+    _finished_run(_mkdir(tmp_path / "tensorwise" / "seed2"))
+    assert main(["--study-dir", str(tmp_path), "--settings", "tensorwise", "--seeds", "2",
+                 "--report-only", "--model", str(tmp_path / "no-model")]) == 0
+    assert "1 of 1 runs finished" in capsys.readouterr().out  # the selection's own count
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| bf16 | 2 |" in report and "| tensorwise | 1 |" in report
+
+
 def test_hours_starts_no_run_that_would_end_past_the_budget(tmp_path, capsys):
     """A run that does not fit is not started (a started one would fail here at once: the model
     folder is no model) and the command says how to go on."""
