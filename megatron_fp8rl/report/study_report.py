@@ -431,12 +431,17 @@ def _responses_section(arms: dict[str, list[RunFigures]]) -> list[str]:
     return ["## What each arm writes at the end", "", *lines] if lines else []
 
 
+def arm_figures(runs: dict[str, dict[str, Path]]) -> dict[str, list[RunFigures]]:
+    """{arm: {seed: run_dir}} -> {arm: [RunFigures per seed]}, the logs read once per run."""
+    return {arm: [run_figures(d, arm, seed) for seed, d in seeds.items()] for arm, seeds in runs.items()}
+
+
 def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, reference: str, preamble: str,
                        wall_seconds: dict[str, float] | None = None) -> Path:
     """report.md + curves.png + accuracy.png in `out_dir` from {arm: {seed: run_dir}} (finished
     runs only); returns report.md's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = {arm: [run_figures(d, arm, seed) for seed, d in seeds.items()] for arm, seeds in runs.items()}
+    figures = arm_figures(runs)
     stuck = [f"{f.arm}/seed{f.seed}" for found in figures.values() for f in found if f.never_updated]
     arms = {arm: kept for arm, found in figures.items() if (kept := [f for f in found if not f.never_updated])}
     curves = _curves_figure(arms, out_dir / "curves.png")

@@ -7,7 +7,7 @@ import math
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from megatron_fp8rl.report.study_report import run_figures, verdict_lines, write_study_report
+from megatron_fp8rl.report.study_report import arm_figures, run_figures, verdict_lines, write_study_report
 from megatron_fp8rl.rl.metrics import paired_eval_change
 from tests.helpers.png import assert_png
 
@@ -59,7 +59,7 @@ def test_run_figures_read_the_logs(study):
 
 def test_verdict_names_the_overclipping_arm_and_the_paired_tests(study):
     _, runs = study
-    arms = {name: [run_figures(d, name, seed) for seed, d in seeds.items()] for name, seeds in runs.items()}
+    arms = arm_figures(runs)
     lines = "\n".join(verdict_lines(arms, "bf16"))
     assert "tensorwise over-clip" in lines and "tensorwise_cc over-clip" not in lines
     assert "entropy surges" in lines and "output garbles" in lines  # drift 1.9 > 1.5; +30 points no-number
@@ -91,7 +91,7 @@ def test_reward_collapse_is_named_without_any_entropy_surge(tmp_path):
     runs = {"bf16": {"1": _run(tmp_path / "r", _scalars(steps=10, reward=steady), {10: [1, 0]})},
             "tensorwise": {"1": _run(tmp_path / "t", _scalars([0.05] * 10, steps=10, reward=falling, truncated=0.9),
                                      {10: [0, 0]})}}
-    arms = {name: [run_figures(d, name, seed) for seed, d in seeds.items()] for name, seeds in runs.items()}
+    arms = arm_figures(runs)
     figures = arms["tensorwise"][0].values
     assert figures["reward_first"] == pytest.approx(0.28) and figures["reward"] == pytest.approx(0.06)
     assert figures["truncated"] == pytest.approx(0.9) and figures["collapsed"] == 1.0
@@ -141,7 +141,7 @@ def test_verdict_says_which_arms_match_the_reference_and_what_a_remedy_changes_a
     runs["tensorwise_cc_noise"] = {"1": _run(tmp_path / "n1", {**_scalars([0.001] * 8), "clip/low_at_limit": [0.0] * 8,
                                                                "clip/high_at_limit": [0.0] * 8},
                                              {8: [1, 0, 1, 0, 1, 0, 1, 0, 1, 1]})}
-    arms = {name: [run_figures(d, name, seed) for seed, d in seeds.items()] for name, seeds in runs.items()}
+    arms = arm_figures(runs)
     lines = verdict_lines(arms, "bf16")
     match = next(line for line in lines if line.startswith("- **Which arms match bf16**"))
     lost3 = paired_eval_change([bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]] * 2,
@@ -176,7 +176,7 @@ def test_an_arm_significantly_better_than_the_reference_is_said_to_beat_it(study
     good, ref_eval = [1] * 10, [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]  # 6 gained against the reference per seed
     runs["better"] = {seed: _run(tmp_path / f"b{seed}", _scalars([0.001] * 8), {8: good}) for seed in ("1", "2")}
     runs["worse"] = {seed: _run(tmp_path / f"w{seed}", _scalars([0.001] * 8), {8: [0] * 10}) for seed in ("1", "2")}
-    arms = {name: [run_figures(d, name, seed) for seed, d in seeds.items()] for name, seeds in runs.items()}
+    arms = arm_figures(runs)
     match = next(line for line in verdict_lines(arms, "bf16") if line.startswith("- **Which arms match bf16**"))
     p = paired_eval_change([bool(c) for c in ref_eval] * 2, [True] * 20)["mcnemar_p"]
     assert p <= 0.05
