@@ -13,7 +13,8 @@ finished runs reused); `moderate2` / `moderate4` the issue's moderate job (8 x 8
 1x32 groups, aligned rollouts), its CC arm and the remedy (`groupwise32_cc_noise`: CC whose lower
 bound follows the noise rule, algorithm.calibration.rule=noise, so it calibrates where the
 α-quantile falls below any sane floor); an arm trains under the first `seeds` of --seeds (3 for
-bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms).
+bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms), and
+`float32` (no FP8, no bf16) is the second reference, 3 seeds.
 
 The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
 trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (old and current
@@ -67,6 +68,15 @@ DEFAULT = ("model.fp8=groupwise32", "rollout.fp8=aligned")
 """The project's default FP8 pipeline (examples/cpu_demo.yaml)."""
 REFERENCE = "bf16"
 """The arm every other is compared with (paired tests on the same held-out problems and seed)."""
+HIGH_PRECISION = "float32"
+"""The second reference: the same job with no FP8 and no bf16 anywhere (float32 Megatron, float32
+SGLang). Every arm is also compared with it, so a report can tell an FP8 arm that beats bf16 from a
+bf16 reference that falls short of full precision (moderate2's bf16 arm learned less than the FP8
+arms and rambled to the length limit, results/stability_v3/moderate2/report)."""
+FLOAT32_ARM = Setting(HIGH_PRECISION, ("model.dtype=float32", "rollout.dtype=float32", "model.fp8=none",
+                                       "rollout.fp8=none"), seeds=3)
+"""No shadow forward (calibration off): a float32 trainer has no higher precision to compare with, so
+this arm has no over-clip diagnostic."""
 CORE_ARMS = (
     Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none", *MONITOR), seeds=3),
     Setting("groupwise32", (*DEFAULT, *MONITOR), seeds=3),
@@ -129,11 +139,11 @@ class Regime:
 
 
 REGIMES = {
-    "harsh": Regime("harsh", COMMON, FULL, "results/stability", (*CORE_ARMS, *V2_EXTRA_ARMS),
+    "harsh": Regime("harsh", COMMON, FULL, "results/stability", (*CORE_ARMS, *V2_EXTRA_ARMS, FLOAT32_ARM),
                     "Harsh regime (study v2's job): 2 prompts x 8 samples at temperature 0.7, 16 tokens, "
                     "lr 3e-5, 2 mini-batches, 30 steps, 64 held-out problems."),
     **{f"moderate{m}": Regime(f"moderate{m}", MODERATE_COMMON, {**MODERATE, "train.mini_batches": m},
-                              f"results/stability_v3/moderate{m}", CORE_ARMS,
+                              f"results/stability_v3/moderate{m}", (*CORE_ARMS, FLOAT32_ARM),
                               f"Moderate regime, {m} mini-batches: 8 prompts x 8 samples at temperature 1.0, "
                               "20 tokens, lr 1e-5, clip 0.2/0.2, 12 steps, 100 held-out problems (eval every 4).")
        for m in (2, 4)},
@@ -231,7 +241,8 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
             "float32 outside the FP8 GEMMs, the bf16 arms run Megatron bf16 mixed precision and bf16 "
             "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). bf16, groupwise32 (the default: 1x32 "
             "groups, aligned rollouts), its CC arm and groupwise32_cc_noise (CC with the noise rule) run "
-            "3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1. Command: `megatron-fp8rl stability "
+            "3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1; float32 (no FP8, no bf16: float32 Megatron "
+            "and SGLang, no shadow) runs 3 seeds as the second reference every arm is compared with. Command: `megatron-fp8rl stability "
             "--regime {regime}` (bench/stability.py); per-run plots in runs/.")
 
 
@@ -391,7 +402,8 @@ def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, ti
 
     report = write_study_report(finished, study_dir / "report", REFERENCE,
                                 f"{regime.about} {PREAMBLE.format(regime=regime.name)}",
-                                {k: v for k, v in timings.items() if k.split("/")[0] in finished})
+                                {k: v for k, v in timings.items() if k.split("/")[0] in finished},
+                                also_against=(HIGH_PRECISION,))
     first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]
     names = [arm for arm, dirs in finished.items() if dirs]
     write_report(first, study_dir / "report" / "runs", title="FP8 stability study: each arm's first seed",

@@ -195,9 +195,10 @@ def _fmt(triple: tuple[float, float, float], percent: bool = False, digits: int 
     return one(median) + (f" [{one(low)}, {one(high)}]" if low != high else "")
 
 
-def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
+def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_against: tuple[str, ...] = ()) -> list[str]:
     """The report's answers to the issue's four questions, from the figures (medians over seeds,
-    [min, max] where an arm has more than one seed)."""
+    [min, max] where an arm has more than one seed); the "which arms match" line is repeated against
+    each arm of `also_against` that has runs (a second reference, float32)."""
     summaries = {name: arm_summary(runs) for name, runs in arms.items()}
     ref = summaries.get(reference)
     lines = []
@@ -249,8 +250,9 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str) -> list[str
                          f"accuracy {_fmt(plain_cc['accuracy'])} -> {_fmt(remedy['accuracy'])}; "
                          + _paired_text(arms, f"{base}_cc", name) + _limits_text(remedy)
                          + f" (plain CC{_limits_text(plain_cc)[1:] or ': no limit flags logged'}).")
-    if (match := _match_line(arms, summaries, reference)) is not None:
-        lines.append(match)
+    for against in (reference, *also_against):
+        if (match := _match_line(arms, summaries, against)) is not None:
+            lines.append(match)
     for name in ("aligned", "aligned_cc"):
         if name in summaries:
             s = summaries[name]
@@ -348,8 +350,8 @@ COLUMNS = (("seeds", None), ("diagnostic", "overclip"), ("pooled over A<0 values
            ("accuracy start → end", None))
 
 
-def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
-    header = [name for name, _ in COLUMNS] + [f"paired vs {reference}"]
+def _table(arms: dict[str, list[RunFigures]], references: tuple[str, ...]) -> list[str]:
+    header = [name for name, _ in COLUMNS] + [f"paired vs {reference}" for reference in references]
     lines = ["| arm | " + " | ".join(header) + " |", "|" + "---|" * (len(header) + 1)]
     for name, runs in arms.items():
         s = arm_summary(runs)
@@ -361,9 +363,10 @@ def _table(arms: dict[str, list[RunFigures]], reference: str) -> list[str]:
                  _fmt(s["repetitive"], True), _fmt(s["length"], digits=1), _fmt(s["truncated"], True),
                  f"{_fmt(s['reward_first'])} → {_fmt(s['reward'])}",
                  f"{_fmt(s['accuracy_start'])} → {_fmt(s['accuracy'])}"]
-        tests = _paired_tests(arms, reference, name) if name != reference else {}
-        cells.append(", ".join(f"{'all: ' if seed == POOLED else ''}+{int(t['gained'])}/−{int(t['lost'])} "
-                               f"p={t['mcnemar_p']:.2g}" for seed, t in tests.items()) or "—")
+        for reference in references:
+            tests = _paired_tests(arms, reference, name) if name != reference else {}
+            cells.append(", ".join(f"{'all: ' if seed == POOLED else ''}+{int(t['gained'])}/−{int(t['lost'])} "
+                                   f"p={t['mcnemar_p']:.2g}" for seed, t in tests.items()) or "—")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -437,9 +440,10 @@ def arm_figures(runs: dict[str, dict[str, Path]]) -> dict[str, list[RunFigures]]
 
 
 def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, reference: str, preamble: str,
-                       wall_seconds: dict[str, float] | None = None) -> Path:
+                       wall_seconds: dict[str, float] | None = None, also_against: tuple[str, ...] = ()) -> Path:
     """report.md + curves.png + accuracy.png in `out_dir` from {arm: {seed: run_dir}} (finished
-    runs only); returns report.md's path."""
+    runs only), every arm compared with `reference` and, where they have runs, with the arms of
+    `also_against`; returns report.md's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = arm_figures(runs)
     stuck = [f"{f.arm}/seed{f.seed}" for found in figures.values() for f in found if f.never_updated]
@@ -448,9 +452,9 @@ def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, referenc
     accuracy = _accuracy_figure(arms, out_dir / "accuracy.png")
     excluded = ([f"- **Excluded**: {', '.join(stuck)}: train/grad_norm was 0 on every step (the model never "
                  "moved), so the run measures nothing; train it again."] if stuck else [])
-    lines = ["# FP8 stability study", "", preamble, "", "## Verdict", "", *excluded, *verdict_lines(arms, reference), "",
+    lines = ["# FP8 stability study", "", preamble, "", "## Verdict", "", *excluded, *verdict_lines(arms, reference, also_against), "",
              f"## Arms (median [min, max] over seeds; final figures: mean of the last {TAIL} steps)", "",
-             *_table(arms, reference), "", f"![per-step curves]({curves.name})", "",
+             *_table(arms, (reference, *(a for a in also_against if a in arms))), "", f"![per-step curves]({curves.name})", "",
              f"![final accuracy]({accuracy.name})", ""]
     lines += _responses_section(arms)
     if wall_seconds:

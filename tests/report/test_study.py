@@ -23,8 +23,11 @@ def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
     assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "tensorwise",
                              "blockwise", "tensorwise_cc", "blockwise_cc", "bf16_fp8block_tis", "aligned",
-                             "aligned_cc", "tensorwise_noise"]
+                             "aligned_cc", "tensorwise_noise", "float32"]
     bf16 = by_name["bf16"]
+    float32 = by_name["float32"]  # the second reference: no FP8, no bf16, no shadow to compare with
+    assert (float32.model.dtype, float32.rollout.dtype, float32.model.fp8, float32.rollout.fp8) == ("float32",) * 2 + ("none",) * 2
+    assert float32.algorithm.calibration.mode == "none"
     assert (bf16.model.dtype, bf16.rollout.dtype, bf16.model.fp8, bf16.rollout.fp8) == ("bfloat16",) * 2 + ("none",) * 2
     tis = by_name["bf16_fp8block_tis"]
     assert (tis.model.dtype, tis.rollout.fp8, tis.algorithm.correction) == ("bfloat16", "blockwise", "tis")
@@ -66,6 +69,7 @@ def test_each_arm_runs_its_first_seeds_first_seeds_first():
         seeds = {s.name: s.seeds for s in study_settings(regime)}
         assert seeds["bf16"] == seeds["groupwise32"] == seeds["groupwise32_cc"] == seeds["groupwise32_cc_noise"] == 3
         assert all(seeds[f"{name}{cc}"] == 2 for name in ("tensorwise", "blockwise") for cc in ("", "_cc"))
+        assert seeds["float32"] == 3 and list(seeds)[-1] == "float32"  # a reference: paired over 3 seeds, planned last
     assert len(SEEDS) == 3
 
 

@@ -183,3 +183,22 @@ def test_an_arm_significantly_better_than_the_reference_is_said_to_beat_it(study
     assert "Which beat it (median above that range, paired p <= 0.05 with more problems gained than lost): better." in match
     assert f"better 1.000 (above, p = {p:.2g}, +12/-0)" in match and "worse 0.000 (below" in match
     assert "pooled over seeds): tensorwise_cc. Which beat" in match  # better is not in the match list
+
+
+def test_every_arm_is_also_compared_with_the_float32_reference(study):
+    """A second reference (float32: no FP8, no bf16) gets its own "which arms match" line and table
+    column, so an arm that beats bf16 can be told from a bf16 reference that falls short of full
+    precision; without float32 runs neither appears."""
+    tmp_path, runs = study
+    without = write_study_report(runs, tmp_path / "without", "bf16", "preamble", also_against=("float32",)).read_text()
+    assert "match float32" not in without and "paired vs float32" not in without
+    good = [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]  # bf16 gets 4 of 10 (ref_eval): 4 more here, none fewer
+    runs["float32"] = {seed: _run(tmp_path / f"f{seed}", _scalars(), {8: good}) for seed in ("1", "2")}
+    text = write_study_report(runs, tmp_path / "with", "bf16", "preamble", also_against=("float32",)).read_text()
+    match = next(line for line in text.splitlines() if line.startswith("- **Which arms match float32**"))
+    p_bf16 = paired_eval_change([bool(c) for c in good] * 2, [bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]] * 2)
+    assert f"bf16 0.400 (below, p = {p_bf16['mcnemar_p']:.2g}, +0/-8)" in match
+    assert "float32 0.800 (above" in next(line for line in text.splitlines() if line.startswith("- **Which arms match bf16**"))
+    assert "| paired vs bf16 | paired vs float32 |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| tensorwise |"))
+    assert row.endswith("all: +0/−6 p=0.031 | +0/−7 p=0.016, +0/−7 p=0.016, all: +0/−14 p=0.00012 |")  # 2 x 0.5^7, 2 x 0.5^14
