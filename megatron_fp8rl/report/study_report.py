@@ -14,6 +14,10 @@ Per run, from its tensorboard scalars (steps without a value skipped):
              the share x clip/neg_values (how many A<0 values the share is of) / their sum; a step
              with 3 such values counts 3, not as much as one with 90 (NaN for runs logged before
              clip/neg_values existed); neg_values: that sum
+- noise_q01  the median over steps of clip/fp8_noise_q0.01, the 1% quantile of log r − log r_s
+             over the A<0 values (how far FP8 pulls a bad token's ratio below the shadow's; a
+             rule=noise L is (1 − ε_low)·exp of it at the default noise_tail; NaN for runs that did
+             not log it)
 - low_at_limit / high_at_limit   the share of steps whose calibrated L (H) sat at a limit
              (clip/low_at_limit, clip/high_at_limit; NaN for runs that did not log them)
 - overclip_after   clip/neg_overclip_after, the same share with the bounds calibrated on that very
@@ -77,6 +81,7 @@ CURVES = {"clip/neg_overclip_before": "A<0 tokens over-clipped vs the shadow (di
           "response/no_number_frac": "garbled: responses without a number",
           "response/repetitive_frac": "garbled: responses with a repeated 3-gram",
           "train/clip_frac_low": "tokens clipped at the lower bound",
+          "clip/fp8_noise_q0.01": "q0.01 of log r − log r_shadow over A<0",
           "response/truncated_frac": "responses cut at the token limit",
           "reward/mean": "rollout reward"}
 
@@ -125,6 +130,7 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
         "overclip": _reduce(run, "clip/neg_overclip_before", np.mean),
         "overclip_max": _reduce(run, "clip/neg_overclip_before", np.max),
         "overclip_after": _reduce(run, "clip/neg_overclip_after", np.mean),
+        "noise_q01": _reduce(run, "clip/fp8_noise_q0.01", np.median),
         "low_at_limit": _reduce(run, "clip/low_at_limit", np.mean),
         "high_at_limit": _reduce(run, "clip/high_at_limit", np.mean),
         "clip_low": _reduce(run, "train/clip_frac_low", np.mean),
@@ -344,7 +350,7 @@ def _paired_tests(arms: dict[str, list[RunFigures]], reference: str, name: str) 
 
 
 COLUMNS = (("seeds", None), ("diagnostic", "overclip"), ("pooled over A<0 values (n)", "overclip_pooled"),
-           ("lower clip", "clip_low"),
+           ("lower clip", "clip_low"), ("FP8 noise q0.01", "noise_q01"),
            ("entropy first → last", None), ("no number", "no_number"), ("repetitive", "repetitive"),
            ("length", "length"), ("cut at limit", "truncated"), ("reward first → last", None),
            ("accuracy start → end", None))
@@ -358,7 +364,7 @@ def _table(arms: dict[str, list[RunFigures]], references: tuple[str, ...]) -> li
         pooled = _fmt(s["overclip_pooled"], True)
         if math.isfinite(s["overclip_pooled"][0]):
             pooled += f" ({_fmt(s['neg_values'], digits=0)})"
-        cells = [str(len(runs)), _fmt(s["overclip"], True), pooled, _fmt(s["clip_low"], True),
+        cells = [str(len(runs)), _fmt(s["overclip"], True), pooled, _fmt(s["clip_low"], True), _fmt(s["noise_q01"]),
                  f"{_fmt(s['entropy_first'])} → {_fmt(s['entropy_last'])}", _fmt(s["no_number"], True),
                  _fmt(s["repetitive"], True), _fmt(s["length"], digits=1), _fmt(s["truncated"], True),
                  f"{_fmt(s['reward_first'])} → {_fmt(s['reward'])}",

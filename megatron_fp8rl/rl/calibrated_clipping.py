@@ -49,7 +49,7 @@ positive-advantage tokens (or without active negative magnitude) the previous H.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,10 @@ from megatron_fp8rl.rl.common import RLInputError, check_same_shape, float_mask
 
 CALIBRATION_RULES = ("quantile", "noise")
 """How a calibration finds L: the paper's α-quantile, or ours from the FP8 noise (module docstring)."""
+
+NOISE_LEVELS = (0.01, 0.05, 0.5, 0.95, 0.99)
+"""Levels of q(n), n = log r − log r_s over N⁻, that every calibration reports (`Calibration.noise`,
+logged as clip/fp8_noise_q<level>): the data a choice of `noise_tail` rests on."""
 
 
 @dataclass(frozen=True)
@@ -137,11 +141,25 @@ def noise_lower_bound(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantage
     negative-advantage values; None without any."""
     if not 0 < tail < 0.5:
         raise RLInputError(f"noise tail must be in (0, 0.5), got {tail}")
-    negative = advantages < 0
-    if not bool(negative.any()):
+    noise = fp8_noise(ratio, shadow_ratio, advantages)
+    if noise.numel() == 0:
         return None
-    noise = torch.log(ratio[negative].double()) - torch.log(shadow_ratio[negative].double())
     return configured_low * math.exp(float(torch.quantile(noise, tail)))
+
+
+def fp8_noise(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """n = log r − log r_s over the negative-advantage values (float64; empty without any): what
+    FP8 adds to the log-ratio of a bad token."""
+    negative = advantages < 0
+    return torch.log(ratio[negative].double()) - torch.log(shadow_ratio[negative].double())
+
+
+def noise_quantiles(noise: torch.Tensor, levels: tuple[float, ...] = NOISE_LEVELS) -> dict[str, float]:
+    """{'q<level>': q_level(noise)} (linear interpolation, as numpy's default), {} when empty."""
+    if noise.numel() == 0:
+        return {}
+    values = torch.quantile(noise, torch.tensor(levels, dtype=noise.dtype))
+    return {f"q{level:g}": float(value) for level, value in zip(levels, values)}
 
 
 def update_balance(ratio: torch.Tensor, advantages: torch.Tensor, bounds: ClipBounds) -> float | None:
@@ -248,6 +266,8 @@ class Calibration:
     """Whether the new L sits at low_min or low_max (the rule's value lay at or beyond it)."""
     high_at_limit: bool = False
     """Whether the new H sits at high_min or high_max."""
+    noise: dict[str, float] = field(default_factory=dict)
+    """`noise_quantiles` of n = log r − log r_s over N⁻ ({} without negative-advantage values)."""
 
 
 def calibrate(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch.Tensor,
@@ -282,4 +302,5 @@ def calibrate(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch
     return Calibration(bounds, None, nan if alpha is None else alpha, nan if target is None else target,
                        nan if balance is None else balance, before, after,
                        low_at_limit=bounds.low in (limits.low_min, limits.low_max),
-                       high_at_limit=bounds.high in (limits.high_min, limits.high_max))
+                       high_at_limit=bounds.high in (limits.high_min, limits.high_max),
+                       noise=noise_quantiles(fp8_noise(ratio, shadow_ratio, advantages)))

@@ -91,6 +91,7 @@ class ClipCalibrator:
                "clip/neg_values": float((adv < 0).sum())}  # what clip/neg_* shares are shares of
         for when, diagnostic in (("before", self.last.before), ("after", self.last.after)):
             out.update({f"clip/{name}_{when}": value for name, value in diagnostic.items()})
+        out.update({f"clip/fp8_noise_{name}": value for name, value in self.last.noise.items()})
         return out
 
     def metrics(self) -> dict[str, float]:

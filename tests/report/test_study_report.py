@@ -100,7 +100,7 @@ def test_reward_collapse_is_named_without_any_entropy_surge(tmp_path):
     assert "**Reward collapse**" in lines and "tensorwise (1 of 1 seeds)" in lines and "bf16 (" not in lines
     assert "no entropy surge" in lines  # the collapse is not an entropy surge
     report = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
-    assert "| tensorwise | 1 | 5.0% | n/a | 1.0% | 1.000 → 1.000 | 0.0% | 0.0% | 10.0 | 90.0% | 0.280 → 0.060 |" in report
+    assert "| tensorwise | 1 | 5.0% | n/a | 1.0% | n/a | 1.000 → 1.000 | 0.0% | 0.0% | 10.0 | 90.0% | 0.280 → 0.060 |" in report
 
 
 def test_report_shows_what_each_arm_writes_at_the_end(tmp_path):
@@ -202,3 +202,22 @@ def test_every_arm_is_also_compared_with_the_float32_reference(study):
     assert "| paired vs bf16 | paired vs float32 |" in text
     row = next(line for line in text.splitlines() if line.startswith("| tensorwise |"))
     assert row.endswith("all: +0/−6 p=0.031 | +0/−7 p=0.016, +0/−7 p=0.016, all: +0/−14 p=0.00012 |")  # 2 x 0.5^7, 2 x 0.5^14
+
+
+def test_the_fp8_noise_quantile_is_each_runs_median_over_steps(tmp_path):
+    """noise_q01: the median over steps of clip/fp8_noise_q0.01 per run, its spread over seeds in
+    the table's 'FP8 noise q0.01' column; n/a for an arm that did not log it (bf16)."""
+    evals = {0: [0] * 10, 8: [1] * 5 + [0] * 5}
+    noisy = [{**_scalars([0.05] * 8), "clip/fp8_noise_q0.01": [-0.3] * 3 + [-0.6] * 5},
+             {**_scalars([0.05] * 8), "clip/fp8_noise_q0.01": [-0.2] * 5 + [-0.9] * 3}]
+    runs = {"bf16": {"1": _run(tmp_path / "b1", _scalars(), evals), "2": _run(tmp_path / "b2", _scalars(), evals)},
+            "groupwise32": {str(seed): _run(tmp_path / f"g{seed}", scalars, evals)
+                            for seed, scalars in enumerate(noisy, 1)}}
+    assert run_figures(runs["groupwise32"]["1"], "groupwise32", "1").values["noise_q01"] == pytest.approx(-0.6)
+    assert run_figures(runs["groupwise32"]["2"], "groupwise32", "2").values["noise_q01"] == pytest.approx(-0.2)
+    text = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| arm |")).split(" | ")
+    column = header.index("FP8 noise q0.01")
+    row = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    assert row["| groupwise32"][column] == "-0.400 [-0.600, -0.200]"
+    assert row["| bf16"][column] == "n/a"

@@ -1,12 +1,14 @@
 """Calibrated Clipping's math (rl/calibrated_clipping.py): hand-computed cases and properties."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_fp8rl.rl.calibrated_clipping import (
+    NOISE_LEVELS,
     ClipBounds,
     ClipLimits,
     calibrate,
@@ -219,6 +221,23 @@ def test_at_small_alpha_the_quantile_rule_sits_at_its_limit_and_the_noise_rule_c
     assert noise.bounds.low == pytest.approx(PLAIN.low * math.exp(-2.576 * 0.1), rel=0.04)
     with pytest.raises(RLInputError, match="calibration rule"):
         calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0, rule="median")
+
+
+def test_every_calibration_reports_the_fp8_noise_quantiles_over_negative_advantages():
+    """Calibration.noise: q(log r − log r_s) over the A<0 values only, at NOISE_LEVELS, against
+    numpy's quantile (the same linear interpolation); positive-advantage noise does not enter."""
+    gen = torch.Generator().manual_seed(3)
+    n = 1001
+    adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    shadow = (1 + 0.05 * torch.randn(n, generator=gen)).double()
+    noise = 0.2 * torch.randn(n, generator=gen).double()
+    noise[adv > 0] += 10.0  # would move every quantile if A>0 values took part
+    out = calibrate(shadow * torch.exp(noise), shadow, adv, PLAIN, PLAIN, None, ClipLimits(), 0.0)
+    expected = np.quantile(noise[adv < 0].numpy(), NOISE_LEVELS)
+    assert list(out.noise) == [f"q{level:g}" for level in NOISE_LEVELS]
+    assert list(out.noise.values()) == pytest.approx(expected.tolist(), rel=1e-9, abs=1e-12)
+    no_negative = calibrate(shadow, shadow, torch.ones(n, dtype=torch.float64), PLAIN, PLAIN, None, ClipLimits(), 0.0)
+    assert no_negative.noise == {}
 
 
 def test_high_at_limit_is_flagged():

@@ -243,6 +243,11 @@ def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_pa
     # the diagnostic's denominator: the A<0 values of m* (every logged step has some)
     assert len(scalars["clip/neg_values"]) == 2
     assert sum(v >= 1 for v in scalars["clip/neg_values"]) == len(scalars["clip/neg_overclip_before"])
+    # the FP8-vs-shadow log-ratio quantiles over A<0 (what a noise_tail choice rests on), ordered
+    noise = [scalars[f"clip/fp8_noise_q{level}"] for level in (0.01, 0.05, 0.5, 0.95, 0.99)]
+    assert len(noise[0]) == len(scalars["clip/neg_overclip_before"]) and all(len(q) == len(noise[0]) for q in noise)
+    assert all(a <= b for lower, upper in zip(noise, noise[1:]) for a, b in zip(lower, upper)), noise
+    assert all(abs(v) < 5 for q in noise for v in q) and noise[-1][0] > noise[0][0]  # FP8 moves the ratios
     responses = tb_texts(tmp_path, "samples/responses")  # what the policy wrote, each step
     assert len(responses) == 2 and all(r.startswith("reward ") and (", length: " in r or ", stop: " in r)
                                        for r in responses)
