@@ -59,8 +59,8 @@ class Setting:
 
 
 BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16")
-MONITOR = ("algorithm.calibration.mode=monitor", "algorithm.calibration.every=1")
-CALIBRATED = ("algorithm.calibration.mode=shadow", "algorithm.calibration.every=1")
+MONITOR = ("algorithm.calibration.mode=monitor", "algorithm.calibration.every=1", "algorithm.calibration.record=true")
+CALIBRATED = ("algorithm.calibration.mode=shadow", "algorithm.calibration.every=1", "algorithm.calibration.record=true")
 UNIFIED = {"tensorwise": ("model.fp8=tensorwise", "rollout.fp8=per_tensor"),
            "blockwise": ("model.fp8=blockwise", "rollout.fp8=blockwise"),
            "aligned": ("model.fp8=calibrated", "rollout.fp8=aligned")}
@@ -246,10 +246,15 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
             "--regime {regime}` (bench/stability.py); per-run plots in runs/.")
 
 
+RECORDING_KEYS = ("algorithm.calibration.record",)
+"""Overrides that change what a run writes, not how it trains: a finished run made without them is
+still the arm's (it lacks only their output, e.g. calibration/ for runs before the record existed)."""
+
+
 def config_differences(run_dir: Path, overrides: list[str]) -> list[str]:
     """'key: run has X, the study sets Y' for every `key=value` override that the finished run's
-    config.yaml does not hold (values compared as YAML, numbers as numbers); a run directory is
-    reused only when this is empty."""
+    config.yaml does not hold (values compared as YAML, numbers as numbers; RECORDING_KEYS not
+    compared); a run directory is reused only when this is empty."""
     import yaml
 
     path = run_dir / "config.yaml"
@@ -257,6 +262,8 @@ def config_differences(run_dir: Path, overrides: list[str]) -> list[str]:
     out = []
     for item in overrides:
         key, _, text = item.partition("=")
+        if key in RECORDING_KEYS:
+            continue
         found = _saved_value(saved, key)
         if found is _MISSING and key in OLD_KEYS:  # a run made before the key was renamed
             found = _saved_value(saved, OLD_KEYS[key])

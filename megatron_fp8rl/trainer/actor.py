@@ -96,12 +96,14 @@ class MegatronActor:
     `model_cfg.dtype` (bfloat16: Megatron mixed precision, trainer.megatron_step.wrap_ddp)."""
 
     def __init__(self, init_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig,
-                 objective: Objective, fp8_gemm: str = "auto", rollout_fp8: str = "none"):
+                 objective: Objective, fp8_gemm: str = "auto", rollout_fp8: str = "none",
+                 calibration_dir: Path | None = None):
         """`train_cfg`: the optimizer's settings (it is an OptimConfig), mini_batches and
         micro_batch_size; `objective`: the run's, built once; `fp8_gemm`: our FP8 linears' GEMM
         (fp8.linear.GEMMS; RunConfig.trainer_fp8_gemm); `rollout_fp8`: rollout.fp8. The rollout
         engine starts from this actor's own `publisher.publish` (trainer/loop.py), so the FP8
-        scales it serves are the ones the actor remembers."""
+        scales it serves are the ones the actor remembers. `calibration_dir`: where Calibrated
+        Clipping records each calibration's values (algorithm.calibration.record), or None."""
         self.hf_config = json.loads((Path(model_cfg.hf_path) / "config.json").read_text())
         check_parallel_layout(self.hf_config, parallel_state.get_tensor_model_parallel_world_size(),
                               parallel_state.get_pipeline_model_parallel_world_size())
@@ -116,7 +118,8 @@ class MegatronActor:
         """The FP8 serving plan of (model.fp8, rollout.fp8): aligned recomputes run as served."""
         self.publisher = WeightPublisher(self.model, self.hf_config, model_cfg.fp8, rollout_fp8)
         """Where the weights go out: the rollout snapshot, the served FP8 scales (weight_publisher.py)."""
-        self.calibrator = ClipCalibrator(objective.algo) if objective.algo.calibration.mode != "none" else None
+        self.calibrator = (ClipCalibrator(objective.algo, calibration_dir)
+                           if objective.algo.calibration.mode != "none" else None)
         """Calibrated Clipping's state (algorithm.calibration.mode=shadow, or monitor: measured, not
         applied); None otherwise."""
 
@@ -208,7 +211,7 @@ class MegatronActor:
                 noise = NoiseFloor.from_metrics(results[0].metrics, self.objective.levels)
         metrics = _mean_metrics(results)
         if target is not None:
-            metrics.update(calibrator.update(*_stacked(captured, shadow, shadow_old)))
+            metrics.update(calibrator.update(*_stacked(captured, shadow, shadow_old), step=step))
         if calibrator is not None:
             metrics.update(calibrator.metrics())
         return metrics

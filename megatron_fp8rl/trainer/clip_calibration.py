@@ -23,10 +23,13 @@ before`) but keeps the configured bounds: the measurement of a plain-FP8 run (th
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from safetensors.torch import save_file
 
 from megatron_fp8rl.rl.calibrated_clipping import (
     Calibration,
@@ -42,7 +45,8 @@ from megatron_fp8rl.trainer.config import AlgorithmConfig
 class ClipCalibrator:
     """The Calibrated Clipping state of a run (the same on every rank)."""
 
-    def __init__(self, algo: AlgorithmConfig):
+    def __init__(self, algo: AlgorithmConfig, record_dir: Path | None = None):
+        """`record_dir`: where each calibration's values go (algorithm.calibration.record), or None."""
         self.every, self.level, self.smoothing = algo.calibration.every, algo.ratio_level, algo.calibration.smoothing
         self.configured = ClipBounds.from_epsilons(algo.clip.low, algo.clip.high)
         self.limits: ClipLimits = algo.calibration.limits
@@ -53,6 +57,7 @@ class ClipCalibrator:
         """The bounds in force after the last successful calibration; None before the first."""
         self.calibrations = self.skipped = 0
         self.last: Calibration | None = None
+        self.record_dir = record_dir
 
     def due(self, step: int) -> bool:
         """Whether RL step `step` (1-based) calibrates: the first, then every `every` steps."""
@@ -68,9 +73,10 @@ class ClipCalibrator:
         return self.calibrated or self.configured
 
     def update(self, fp8: torch.Tensor, fp8_old: torch.Tensor, shadow: torch.Tensor, shadow_old: torch.Tensor,
-               advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+               advantages: torch.Tensor, mask: torch.Tensor, step: int = 0) -> dict[str, float]:
         """All ranks (collective): calibrate from this rank's rows of m* ([b, S] each; empty [0, S]
-        where the rank computes no loss) and return the calibration metrics."""
+        where the rank computes no loss) and return the calibration metrics; RL step `step` names
+        the record file."""
         ratio_fn = sequence_ratio if self.level == "sequence" else token_ratio
         args = (mask,) if self.level == "sequence" else ()
         fp8_ratio = ratio_fn(fp8.double(), fp8_old.double(), *args)
@@ -78,6 +84,8 @@ class ClipCalibrator:
         ratio, adv = calibration_values(fp8_ratio, advantages, mask, self.level)
         shadow_values, _ = calibration_values(shadow_ratio, advantages, mask, self.level)
         ratio, shadow_values, adv = _gathered(torch.stack([ratio, shadow_values, adv]))
+        if self.record_dir is not None and dist.get_rank() == 0:
+            _record(self.record_dir / f"step_{step:05d}.safetensors", ratio, shadow_values, adv)
         previous = self.bounds
         self.last = calibrate(ratio, shadow_values, adv, self.configured, previous, self.calibrated,
                               self.limits, self.smoothing, self.rule, self.noise_tail)
@@ -115,6 +123,15 @@ class ClipCalibrator:
         bounds = state["calibrated"]
         self.calibrated = None if bounds is None else ClipBounds(*bounds)
         self.calibrations, self.skipped = int(state["calibrations"]), int(state["skipped"])
+
+
+def _record(path: Path, ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages: torch.Tensor) -> None:
+    """One calibration's values as `calibrate` takes them, written atomically (temporary, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file({"ratio": ratio.contiguous(), "shadow_ratio": shadow_ratio.contiguous(),
+               "advantages": advantages.contiguous()}, str(partial))
+    os.replace(partial, path)
 
 
 def _gathered(values: torch.Tensor) -> torch.Tensor:

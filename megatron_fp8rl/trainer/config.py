@@ -237,6 +237,10 @@ class CalibrationConfig:
     over-clips at most δ of the tokens high precision leaves at its bound, whatever α is)."""
     noise_tail: float = 0.01
     """δ in (0, 0.5) of rule=noise."""
+    record: bool = False
+    """Write each calibration's values (the FP8 ratio, the shadow ratio and the advantage of every
+    value of m*, as `calibrate` sees them) to run_dir/calibration/step_<k>.safetensors, so that
+    clip rules can be compared offline on a run's own ratios (bench/clip_rules.py); ~24 bytes a value."""
 
     def __post_init__(self):
         _check(self.mode in CLIP_CALIBRATIONS, "algorithm.calibration.mode",

@@ -278,7 +278,8 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
     with timed(timings, "setup_actor"):
         actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                               Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
-                              rollout_fp8=cfg.rollout.fp8)
+                              rollout_fp8=cfg.rollout.fp8,
+                              calibration_dir=run_dir / "calibration" if cfg.algorithm.calibration.record else None)
     if cfg.fp8_plan.fp8:
         with timed(timings, "setup_rollout_checkpoint"):
             _write_rollout_start(cfg, actor, tokenizer, train_records)

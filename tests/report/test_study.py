@@ -166,6 +166,9 @@ def test_a_committed_run_with_the_old_flat_keys_matches_its_arm(arm):
     assert config_differences(run_dir, overrides) == []
     assert config_differences(run_dir, ["algorithm.calibration.every=2"]) == [
         "algorithm.calibration.every: run has 1, the study sets 2"]
+    # the run predates calibration.record (what a run writes, not how it trains): still the arm's run
+    assert "record" not in (run_dir / "config.yaml").read_text()
+    assert "algorithm.calibration.record=true" in setting.overrides
 
 
 def test_hours_budget_counts_the_longest_finished_run():

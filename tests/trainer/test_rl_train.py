@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_fp8rl.rl.calibrated_clipping import ClipBounds, ClipLimits, calibrate
 from tests.helpers.processes import run_torchrun
 from tests.helpers.train import CLI, run_train, tb_scalars, tb_texts
 
@@ -231,10 +232,12 @@ def test_calibrated_clipping_trains_at_tp2(tiny_run_inputs, tmp_path):
 @pytest.mark.multiprocess
 def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_path):
     """algorithm.calibration.mode=monitor (the stability study's plain-FP8 arms): the shadow
-    forwards run and the diagnostic is logged every step, the configured bounds stay in force."""
+    forwards run and the diagnostic is logged every step, the configured bounds stay in force.
+    With calibration.record each calibration's values are on disk, and `calibrate` on them gives
+    back what the run logged."""
     run_train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "algorithm.calibration.mode=monitor",
               "algorithm.calibration.every=1", "train.mini_batches=2", "train.micro_batch_size=2",
-              "train.eval_every=0", "algorithm.dynamic_sampling=false")
+              "train.eval_every=0", "algorithm.dynamic_sampling=false", "algorithm.calibration.record=true")
     scalars = tb_scalars(tmp_path)
     assert scalars["clip/calibrations"] == [1.0, 2.0] and scalars["clip/calibrated"] == [1.0, 1.0]
     assert scalars["clip/low"] == [pytest.approx(0.8)] * 2 and scalars["clip/high"] == [pytest.approx(1.28)] * 2
@@ -253,6 +256,22 @@ def test_clip_monitor_measures_without_moving_the_bounds(tiny_run_inputs, tmp_pa
                                        for r in responses)
     state = json.loads(next((tmp_path / "checkpoints").rglob("trainer_state.json")).read_text())
     assert state["clip_calibration"]["calibrated"] is None and state["clip_calibration"]["calibrations"] == 2
+    records = sorted((tmp_path / "calibration").glob("*.safetensors"))
+    assert [r.name for r in records] == ["step_00001.safetensors", "step_00002.safetensors"]
+    plain, logged = ClipBounds(0.8, 1.28), 0  # NaN-valued steps (no A<0 value) are not in tensorboard
+    for index, record in enumerate(records):
+        values = load_file(record)
+        assert values["ratio"].dtype == torch.float64 and values["ratio"].shape == values["advantages"].shape
+        assert int((values["advantages"] < 0).sum()) == scalars["clip/neg_values"][index]
+        again = calibrate(values["ratio"], values["shadow_ratio"], values["advantages"], plain, plain, None,
+                          ClipLimits(), 0.5)
+        if not again.noise:
+            continue
+        for level in (0.01, 0.5, 0.99):
+            assert again.noise[f"q{level:g}"] == pytest.approx(scalars[f"clip/fp8_noise_q{level}"][logged], rel=1e-5, abs=1e-7)
+        assert again.before["neg_overclip"] == pytest.approx(scalars["clip/neg_overclip_before"][logged], abs=1e-7)
+        logged += 1
+    assert logged == len(scalars["clip/neg_overclip_before"]) >= 1
 
 
 @pytest.mark.slow  # ~100 s; the bf16 shadow's arithmetic is tested in the default tier (tests/models/test_shadow.py)
