@@ -52,6 +52,7 @@ class ClipCalibrator:
         self.limits: ClipLimits = algo.calibration.limits
         self.applies = algo.calibration.mode == "shadow"
         self.rule, self.noise_tail = algo.calibration.rule, algo.calibration.noise_tail
+        self.overclip_budget = algo.calibration.overclip_budget
         """Whether calibrations set the bounds (shadow) or are only reported (monitor)."""
         self.calibrated: ClipBounds | None = None
         """The bounds in force after the last successful calibration; None before the first."""
@@ -88,7 +89,7 @@ class ClipCalibrator:
             _record(self.record_dir / f"step_{step:05d}.safetensors", ratio, shadow_values, adv)
         previous = self.bounds
         self.last = calibrate(ratio, shadow_values, adv, self.configured, previous, self.calibrated,
-                              self.limits, self.smoothing, self.rule, self.noise_tail)
+                              self.limits, self.smoothing, self.rule, self.noise_tail, self.overclip_budget)
         if self.last.skipped:
             self.skipped += 1
         else:

@@ -234,9 +234,14 @@ class CalibrationConfig:
     """How L is calibrated (rl/calibrated_clipping.py CALIBRATION_RULES): quantile (the paper's
     α-quantile of the FP8 ratios; at small α it sits at limits.low_min, logged as clip/low_at_limit)
     or noise (ours: L = (1 − clip.low)·exp(q_δ(log r − log r_shadow)), δ = noise_tail, so FP8
-    over-clips at most δ of the tokens high precision leaves at its bound, whatever α is)."""
+    over-clips at most δ of the tokens high precision leaves at its bound, whatever α is) or budget
+    (ours: the highest L <= 1 − clip.low at which FP8 clips at most overclip_budget of the
+    negative-advantage values that the shadow leaves unclipped)."""
     noise_tail: float = 0.01
     """δ in (0, 0.5) of rule=noise."""
+    overclip_budget: float = 0.01
+    """τ in [0, 1) of rule=budget: the share of negative-advantage values FP8 may clip that the
+    shadow does not (on the calibrating mini-batch)."""
     record: bool = False
     """Write each calibration's values (the FP8 ratio, the shadow ratio and the advantage of every
     value of m*, as `calibrate` sees them) to run_dir/calibration/step_<k>.safetensors, so that
@@ -252,6 +257,8 @@ class CalibrationConfig:
         _check(self.rule in CALIBRATION_RULES, "algorithm.calibration.rule",
                f"{self.rule!r} is not one of {CALIBRATION_RULES}")
         _check(0 < self.noise_tail < 0.5, "algorithm.calibration.noise_tail", f"must be in (0, 0.5), got {self.noise_tail}")
+        _check(0 <= self.overclip_budget < 1, "algorithm.calibration.overclip_budget",
+               f"must be in [0, 1), got {self.overclip_budget}")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_fp8rl.rl.calibrated_clipping import (
     NOISE_LEVELS,
+    budget_lower_bound,
     ClipBounds,
     ClipLimits,
     calibrate,
@@ -250,3 +251,60 @@ def test_high_at_limit_is_flagged():
     assert out.bounds.high == 1.5 and out.high_at_limit
     inside = calibrate(shadow, shadow, adv, PLAIN, PLAIN, None, limits, 0.0)
     assert 1.05 < inside.bounds.high < 1.5 and not inside.high_at_limit
+
+
+def test_budget_lower_bound_by_hand():
+    """τ = 0.25 of 8 negative values: 2 of the shadow-unclipped ones may lie below L, so L is their
+    third smallest FP8 ratio; the shadow-clipped ones (r_s < 0.8) and the positives do not count."""
+    shadow = _t(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7, 0.6, 1.0)
+    fp8 = _t(0.55, 0.60, 0.65, 0.90, 1.00, 1.10, 0.10, 0.20, 0.01)
+    adv = _t(-1, -1, -1, -1, -1, -1, -1, -1, 1)
+    assert budget_lower_bound(fp8, shadow, adv, 0.8, 0.25) == pytest.approx(0.65)
+    assert budget_lower_bound(fp8, shadow, adv, 0.8, 0.0) == pytest.approx(0.55)  # none below
+    assert budget_lower_bound(fp8, shadow, adv, 0.8, 0.5) == pytest.approx(0.8)  # 1.00 capped at 1 − ε_low
+    assert budget_lower_bound(fp8, shadow, adv, 0.8, 0.9) == pytest.approx(0.8)  # every kept value may lie below
+    assert budget_lower_bound(shadow, shadow, adv, 0.8, 0.01) == pytest.approx(0.8)  # no noise: plain PPO
+    assert budget_lower_bound(fp8, shadow, _t(*[1] * 9), 0.8, 0.01) is None
+    with pytest.raises(RLInputError, match="over-clip budget"):
+        budget_lower_bound(fp8, shadow, adv, 0.8, 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.3, 2.0), st.floats(-1.0, 1.0), st.sampled_from([-1.0, 1.0])),
+                min_size=1, max_size=60),
+       st.floats(0.0, 0.3))
+def test_budget_rule_keeps_the_in_sample_overclip_within_its_budget(rows, budget):
+    """Unclamped, the budget rule's L over-clips at most τ of the A<0 values against the shadow at
+    the configured bound, and any higher L up to the configured bound would exceed it (it is the
+    highest such L)."""
+    shadow, noise, adv = (torch.tensor(c, dtype=torch.float64) for c in zip(*rows))
+    fp8 = shadow * torch.exp(noise)
+    low = budget_lower_bound(fp8, shadow, adv, 0.8, budget)
+    if not bool((adv < 0).any()):
+        assert low is None
+        return
+    diagnostic = clip_diagnostic(fp8, shadow, adv, ClipBounds(low, 1.28), ClipBounds(0.8, 1.28))
+    negatives = int((adv < 0).sum())
+    assert low <= 0.8 and diagnostic["neg_overclip"] * negatives <= math.floor(budget * negatives) + 1e-9
+    if low < 0.8:
+        higher = clip_diagnostic(fp8, shadow, adv, ClipBounds(math.nextafter(low, 1.0), 1.28), ClipBounds(0.8, 1.28))
+        assert higher["neg_overclip"] * negatives > math.floor(budget * negatives)
+
+
+def test_at_small_alpha_the_budget_rule_sets_a_higher_bound_than_the_noise_rule():
+    """The case of the noise test (α = 0, heavy-tailed FP8 noise), but with the shadow's ratios
+    spread around 1 as in a run: both rules calibrate inside the limits, the budget rule's L is
+    the higher one (it prices tokens where they are, not at the bound), and its over-clip on the
+    same values is within the budget."""
+    gen = torch.Generator().manual_seed(1)
+    n = 4000
+    adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    shadow = (1 + 0.05 * torch.randn(n, generator=gen)).double()
+    noise = 0.1 * torch.randn(n, generator=gen).double()
+    noise[::200] = -1.5
+    fp8 = shadow * torch.exp(noise)
+    limits = ClipLimits(low_min=0.5, low_max=0.95, high_min=1.05, high_max=1.5)
+    by_noise = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0, rule="noise", noise_tail=0.01)
+    by_budget = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0, rule="budget", overclip_budget=0.01)
+    assert not by_budget.low_at_limit and by_noise.bounds.low < by_budget.bounds.low < PLAIN.low
+    assert by_budget.after["neg_overclip"] <= 0.01
