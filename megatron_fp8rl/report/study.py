@@ -10,9 +10,11 @@ Regimes (issue 44): `harsh` is v2's job (2 prompts x 8 samples, lr 3e-5, results
 finished runs reused); `moderate2` / `moderate4` the issue's moderate job (8 x 8 at temperature 1,
 20 tokens, lr 1e-5, 12 steps, eval every 4 on 100 held-out problems) with 2 or 4 mini-batches
 (results/stability_v3/<regime>). v3 adds, in every regime, the project's default (`groupwise32`:
-1x32 groups, aligned rollouts), its CC arm and the remedy (`groupwise32_cc_noise`: CC whose lower
+1x32 groups, aligned rollouts), its CC arm and two remedies: `groupwise32_cc_noise` (CC whose lower
 bound follows the noise rule, algorithm.calibration.rule=noise, so it calibrates where the
-α-quantile falls below any sane floor); an arm trains under the first `seeds` of --seeds (3 for
+α-quantile falls below any sane floor) and `groupwise32_gate` (the configured bounds with each
+token's clip decision taken on the high-precision shadow's ratio, algorithm.calibration.mode=gate,
+so FP8 over-clips nothing by construction, for a shadow forward of every mini-batch); an arm trains under the first `seeds` of --seeds (3 for
 bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms), and
 `float32` (no FP8, no bf16) is the second reference, 3 seeds.
 
@@ -61,6 +63,7 @@ class Setting:
 BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16")
 MONITOR = ("algorithm.calibration.mode=monitor", "algorithm.calibration.every=1", "algorithm.calibration.record=true")
 CALIBRATED = ("algorithm.calibration.mode=shadow", "algorithm.calibration.every=1", "algorithm.calibration.record=true")
+GATED = ("algorithm.calibration.mode=gate", "algorithm.calibration.every=1", "algorithm.calibration.record=true")
 UNIFIED = {"tensorwise": ("model.fp8=tensorwise", "rollout.fp8=per_tensor"),
            "blockwise": ("model.fp8=blockwise", "rollout.fp8=blockwise"),
            "aligned": ("model.fp8=calibrated", "rollout.fp8=aligned")}
@@ -82,6 +85,7 @@ CORE_ARMS = (
     Setting("groupwise32", (*DEFAULT, *MONITOR), seeds=3),
     Setting("groupwise32_cc", (*DEFAULT, *CALIBRATED), seeds=3),
     Setting("groupwise32_cc_noise", (*DEFAULT, *CALIBRATED, "algorithm.calibration.rule=noise"), seeds=3),
+    Setting("groupwise32_gate", (*DEFAULT, *GATED), seeds=3),
     *(Setting(name, (*UNIFIED[name], *MONITOR)) for name in ("tensorwise", "blockwise")),
     *(Setting(f"{name}_cc", (*UNIFIED[name], *CALIBRATED)) for name in ("tensorwise", "blockwise")),
 )
@@ -240,8 +244,8 @@ def _kill_started(marker: str, seen: dict[int, float]) -> None:
 PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
             "float32 outside the FP8 GEMMs, the bf16 arms run Megatron bf16 mixed precision and bf16 "
             "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). bf16, groupwise32 (the default: 1x32 "
-            "groups, aligned rollouts), its CC arm and groupwise32_cc_noise (CC with the noise rule) run "
-            "3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1; float32 (no FP8, no bf16: float32 Megatron "
+            "groups, aligned rollouts), its CC arm, groupwise32_cc_noise (CC with the noise rule) and "
+            "groupwise32_gate (the clip decided on the shadow's ratio) run 3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1; float32 (no FP8, no bf16: float32 Megatron "
             "and SGLang, no shadow) runs 3 seeds as the second reference every arm is compared with. Command: `megatron-fp8rl stability "
             "--regime {regime}` (bench/stability.py); per-run plots in runs/.")
 

@@ -20,6 +20,9 @@ Per run, from its tensorboard scalars (steps without a value skipped):
              not log it)
 - low_at_limit / high_at_limit   the share of steps whose calibrated L (H) sat at a limit
              (clip/low_at_limit, clip/high_at_limit; NaN for runs that did not log them)
+- overclip_fp8   clip/neg_overclip_fp8, logged by gate arms (calibration.mode=gate): what their FP8
+             ratio would have over-clipped had it decided the clip (their `overclip`, of the decisions
+             the loss took on the shadow's ratio, is 0); NaN for other runs
 - overclip_after   clip/neg_overclip_after, the same share with the bounds calibrated on that very
              step (in-sample; the `overclip` share is with the bounds in force, calibrated a step
              before): what no calibration of the bounds can remove
@@ -130,6 +133,7 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
         "overclip": _reduce(run, "clip/neg_overclip_before", np.mean),
         "overclip_max": _reduce(run, "clip/neg_overclip_before", np.max),
         "overclip_after": _reduce(run, "clip/neg_overclip_after", np.mean),
+        "overclip_fp8": _reduce(run, "clip/neg_overclip_fp8", np.mean),
         "noise_q01": _reduce(run, "clip/fp8_noise_q0.01", np.median),
         "low_at_limit": _reduce(run, "clip/low_at_limit", np.mean),
         "high_at_limit": _reduce(run, "clip/high_at_limit", np.mean),
@@ -256,6 +260,10 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
                          f"accuracy {_fmt(plain_cc['accuracy'])} -> {_fmt(remedy['accuracy'])}; "
                          + _paired_text(arms, f"{base}_cc", name) + _limits_text(remedy)
                          + f" (plain CC{_limits_text(plain_cc)[1:] or ': no limit flags logged'}).")
+    for name in sorted(summaries):
+        base, _, gate = name.rpartition("_gate")
+        if base and not gate and base in summaries:
+            lines.append(_gate_line(arms, summaries, base, name))
     for against in (reference, *also_against):
         if (match := _match_line(arms, summaries, against)) is not None:
             lines.append(match)
@@ -304,6 +312,18 @@ def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: s
     return (f"- **Which arms match {reference}** (median final accuracy inside or above {reference}'s seed "
             f"range {_fmt(ref['accuracy'])} and paired McNemar p > {MATCH_P:g}, pooled over seeds): "
             + (", ".join(matching) if matching else "none") + "." + beat_text + " All: " + "; ".join(parts) + ".")
+
+
+def _gate_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
+    """The shadow gate against the same recipe's plain and CC arms on the same seeds."""
+    gated, plain = summaries[name], summaries[base]
+    cc = summaries.get(f"{base}_cc")
+    against_cc = (f"; against {base}_cc (accuracy {_fmt(cc['accuracy'])}, diagnostic {_fmt(cc['overclip'], percent=True)}) "
+                  + _paired_text(arms, f"{base}_cc", name) if cc is not None else "")
+    return (f"- **{name} (the clip decided on the shadow's ratio) against {base}, same seeds**: diagnostic "
+            f"{_fmt(plain['overclip'], percent=True)} -> {_fmt(gated['overclip'], percent=True)} (its FP8 ratio "
+            f"would have over-clipped {_fmt(gated['overclip_fp8'], percent=True)}); accuracy {_fmt(plain['accuracy'])} -> "
+            f"{_fmt(gated['accuracy'])}; " + _paired_text(arms, base, name) + against_cc + ".")
 
 
 def _limits_text(summary: dict[str, tuple[float, float, float]]) -> str:

@@ -80,6 +80,7 @@ def clipped_surrogate(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
+    decision_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PPO clipped surrogate per token (loss form), with separate epsilons and optional dual clip.
 
@@ -88,17 +89,38 @@ def clipped_surrogate(
 
     So a token with A > 0 and r > 1 + ε_high, or A < 0 and r < 1 − ε_low, or A < 0 and r > c, has a
     constant loss and gets no gradient. All tensors [B, T]; returns [B, T].
+
+    `decision_ratio` (the shadow gate, algorithm.calibration.mode=gate): which tokens are clipped is
+    decided on this ratio instead (the same conditions on it); a clipped token's loss is −A·clip(r)
+    (−A·c for the dual clip) with no gradient, an unclipped one's −A·r, so the gradient flows
+    through r wherever the decision ratio leaves the token active.
     """
     if not 0 <= clip_low < 1 or clip_high < 0:
         raise RLInputError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise RLInputError(f"dual_clip must be > 1, got {dual_clip}")
+    if decision_ratio is not None:
+        check_same_shape("ratio", ratio, decision_ratio=decision_ratio)
+        return _gated_surrogate(ratio, advantages, decision_ratio.detach(), clip_low, clip_high, dual_clip)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     losses = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
-        if dual_clip <= 1:
-            raise RLInputError(f"dual_clip must be > 1, got {dual_clip}")
         losses = torch.where(advantages < 0, torch.minimum(losses, -advantages * dual_clip), losses)
     return losses
+
+
+def _gated_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, decision: torch.Tensor, clip_low: float,
+                     clip_high: float, dual_clip: float | None) -> torch.Tensor:
+    """`clipped_surrogate` with the clip decided on `decision` (its docstring)."""
+    negative = advantages < 0
+    clipped = ((advantages > 0) & (decision > 1 + clip_high)) | (negative & (decision < 1 - clip_low))
+    constant = (-advantages * ratio.clamp(1 - clip_low, 1 + clip_high)).detach()
+    if dual_clip is not None:
+        dual = negative & (decision > dual_clip)
+        clipped = clipped | dual
+        constant = torch.where(dual, -advantages * dual_clip, constant)
+    return torch.where(clipped, constant, -advantages * ratio)
 
 
 def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
@@ -155,6 +177,7 @@ def policy_loss(
     correction_weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    decision_ratio: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """GRPO / DAPO / GSPO policy loss with optional mismatch correction and entropy bonus.
 
@@ -172,6 +195,9 @@ def policy_loss(
         correction_weights, entropy: [B, T] or None. `entropy` is the policy's
             per-token entropy (differentiable, from logprobs.py); its mean is reported when given.
         agg_mode, max_response_length, denominator: see `aggregate_loss`.
+        decision_ratio: [B, T] or None: the ratio that decides which tokens are clipped (the shadow
+            gate; token level only, see `clipped_surrogate`); the clip_frac_* metrics count its
+            decisions, ratio_* stay those of ρ.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask, correction_weights,
                          entropy, ratio_level)
@@ -179,8 +205,10 @@ def policy_loss(
         ratio = token_ratio(logprobs, old_logprobs)
     else:
         ratio = sequence_ratio(logprobs, old_logprobs, response_mask)
+    if decision_ratio is not None and ratio_level != "token":
+        raise RLInputError(f"a clip decision ratio (the shadow gate) is wired for ratio_level token, not {ratio_level!r}")
     surrogate = clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high,
-                                  dual_clip=dual_clip)
+                                  dual_clip=dual_clip, decision_ratio=decision_ratio)
     if correction_weights is not None:
         surrogate = surrogate * correction_weights.detach()
 
@@ -193,6 +221,10 @@ def policy_loss(
     metrics = {"pg_loss": pg_loss.detach()}
     metrics.update(clip_metrics(ratio, advantages, response_mask, clip_low=clip_low,
                                 clip_high=clip_high, dual_clip=dual_clip))
+    if decision_ratio is not None:  # the clip fractions are the decisions taken
+        decided = clip_metrics(decision_ratio, advantages, response_mask, clip_low=clip_low,
+                               clip_high=clip_high, dual_clip=dual_clip)
+        metrics.update({name: value for name, value in decided.items() if "clip_frac" in name})
     if entropy_coef and entropy is None:
         raise RLInputError("entropy_coef is set but entropy is None")
     if entropy is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -184,19 +185,29 @@ class MegatronActor:
         Aligned FP8 rollouts: the first mini-batch (θ = θ_old) trains on a forward in the
         rollout's own arithmetic (`_served_fp8`), so its PPO ratio is exactly 1.
         Calibrated Clipping: the bounds in force clip every mini-batch; a calibrating step also
-        runs the shadow forwards on mini-batch m* and recalibrates (trainer/clip_calibration.py)."""
+        runs the shadow forwards on mini-batch m* and recalibrates (trainer/clip_calibration.py).
+        The shadow gate (calibration.mode=gate): the shadow's log π_old of every mini-batch before
+        the first optimizer step, its log π_θ of each later one just before it trains; the loss
+        takes each token's clip decision on their ratio (objective.py)."""
         dp_size, calibrator = parallel_state.get_data_parallel_world_size(), self.calibrator
         noise = None if old_logprobs is None else self.objective.noise_floor(batch, old_logprobs)
         minis = split_mini_batches(batch, old_logprobs, self.train_cfg.mini_batches,
                                    dp_size * self.train_cfg.micro_batch_size)
         target = calibrator.batch_index(len(minis)) if calibrator is not None and calibrator.due(step) else None
+        gate = self.objective.algo.calibration.mode == "gate"
+        # the shadow's log π_old before any optimizer step: of m* (calibration), of every mini-batch (gate)
+        gate_old = [self.shadow_logprobs(self._local_micro(mini)) for mini in minis] if gate else None
         if target is not None:
-            shadow_old = self.shadow_logprobs(self._local_micro(minis[target]))
+            shadow_old = gate_old[target] if gate else self.shadow_logprobs(self._local_micro(minis[target]))
         results, captured = [], []
         for index, mini in enumerate(minis):
             micro = self._local_micro(mini)
+            current = None
+            if gate:  # θ = θ_old for the first mini-batch: its shadow ratio is exactly 1
+                current = gate_old[index] if index == 0 else self.shadow_logprobs(micro)
+                micro = _with_shadow(micro, current, gate_old[index])
             if index == target:
-                shadow = shadow_old if index == 0 else self.shadow_logprobs(micro)
+                shadow = current if current is not None else shadow_old if index == 0 else self.shadow_logprobs(micro)
             terms = MiniBatchTerms(self.objective.denominator(mini, self.train_cfg.micro_batch_size, dp_size),
                                    noise, at_old_policy=index == 0, clip_bounds=calibrator and calibrator.calibrated,
                                    capture=captured if index == target else None)
@@ -251,6 +262,14 @@ class MegatronActor:
         """Context manager: this rank's FP8 linears quantize with `scales`; observe=False changes
         no state (logprob passes), observe=True lets the live quantizers advance (training)."""
         return frozen_fp8_scales(self.model, scales, observe)
+
+
+def _with_shadow(micro: list[RolloutBatch], shadow: list[torch.Tensor], shadow_old: list[torch.Tensor]):
+    """The micro-batches carrying the shadow's log π_θ and log π_old (the gate's clip decision);
+    unchanged where this rank computes no loss (the shadow returned nothing: not the last stage)."""
+    if not shadow:
+        return micro
+    return [replace(mb, shadow_logprobs=now, shadow_old_logprobs=old) for mb, now, old in zip(micro, shadow, shadow_old)]
 
 
 def _stacked(captured: list, shadow: list[torch.Tensor], shadow_old: list[torch.Tensor]):

@@ -34,6 +34,11 @@ class RolloutBatch:
     old_logprobs: torch.Tensor | None = None
     """[B, S] float: log π_old as the trainer recomputed it before the update (0 on padding rows);
     None when no recompute ran (trainer.rl_step._recompute_needed)."""
+    shadow_logprobs: torch.Tensor | None = None
+    """[B, S] float: the high-precision shadow's log π_θ at the mini-batch's θ (the shadow gate,
+    algorithm.calibration.mode=gate; set on micro-batches just before they train), else None."""
+    shadow_old_logprobs: torch.Tensor | None = None
+    """[B, S] float: the shadow's log π_old (before the update), with `shadow_logprobs`."""
 
     @property
     def size(self) -> int:
@@ -92,7 +97,8 @@ def pad_rows(batch: RolloutBatch, multiple: int) -> RolloutBatch:
             padded[name] = None
             continue
         filler = tensor[:1].expand(missing, *tensor.shape[1:]).clone()
-        if name in ("response_mask", "rollout_logprobs", "advantages", "old_logprobs"):
+        if name in ("response_mask", "rollout_logprobs", "advantages", "old_logprobs", "shadow_logprobs",
+                    "shadow_old_logprobs"):
             filler.zero_()
         padded[name] = torch.cat([tensor, filler])
     return RolloutBatch(**padded)

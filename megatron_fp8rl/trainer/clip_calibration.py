@@ -19,6 +19,10 @@ to calibration.mode=none.
 calibration.mode=monitor runs the same shadow forwards and reports the same diagnostic (the paper's
 share of negative-advantage tokens the FP8 ratio clips and the shadow's does not, `clip/neg_overclip_
 before`) but keeps the configured bounds: the measurement of a plain-FP8 run (the stability study).
+calibration.mode=gate (ours) keeps the configured bounds too, but the loss takes every token's clip
+decision on the shadow's ratio (actor.update runs the shadow on every mini-batch): the diagnostic
+of the decisions taken is then the shadow's against itself, logged as clip/*_before (0 over-clip
+by construction), and what the FP8 ratio would have clipped goes to clip/*_fp8.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from megatron_fp8rl.rl.calibrated_clipping import (
     ClipLimits,
     calibrate,
     calibration_values,
+    clip_diagnostic,
 )
 from megatron_fp8rl.rl.losses import sequence_ratio, token_ratio
 from megatron_fp8rl.trainer.config import AlgorithmConfig
@@ -51,6 +56,9 @@ class ClipCalibrator:
         self.configured = ClipBounds.from_epsilons(algo.clip.low, algo.clip.high)
         self.limits: ClipLimits = algo.calibration.limits
         self.applies = algo.calibration.mode == "shadow"
+        self.gated = algo.calibration.mode == "gate"
+        """The loss takes its clip decisions on the shadow's ratio (actor.update): the diagnostic of
+        the decisions taken is the shadow's own (no over-clip), the FP8 ratio's goes to clip/*_fp8."""
         self.rule, self.noise_tail = algo.calibration.rule, algo.calibration.noise_tail
         self.overclip_budget = algo.calibration.overclip_budget
         """Whether calibrations set the bounds (shadow) or are only reported (monitor)."""
@@ -100,6 +108,10 @@ class ClipCalibrator:
                "clip/neg_values": float((adv < 0).sum())}  # what clip/neg_* shares are shares of
         for when, diagnostic in (("before", self.last.before), ("after", self.last.after)):
             out.update({f"clip/{name}_{when}": value for name, value in diagnostic.items()})
+        if self.gated and not self.last.skipped:  # the loss decides the clip on the shadow's ratio (gate)
+            out.update({f"clip/{name}_fp8": value for name, value in self.last.before.items()})
+            decided = clip_diagnostic(shadow_values, shadow_values, adv, self.configured, self.configured)
+            out.update({f"clip/{name}_before": value for name, value in decided.items()})
         out.update({f"clip/fp8_noise_{name}": value for name, value in self.last.noise.items()})
         return out
 

@@ -31,7 +31,7 @@ OLD_POLICIES = ("decoupled", "bypass")
 ROLLOUT_MODES = ("colocated", "disaggregated")
 WEIGHT_TRANSFERS = ("tensor", "distributed", "disk")
 TRAINER_FP8 = ("none", *RECIPE_NAMES)
-CLIP_CALIBRATIONS = ("none", "shadow", "monitor")
+CLIP_CALIBRATIONS = ("none", "shadow", "monitor", "gate")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
 ROLLOUT_DTYPES = tuple(dtype for dtype in SGLANG_DTYPES if dtype != "auto")
@@ -217,9 +217,15 @@ class CalibrationConfig:
     (every `every` steps a high-precision shadow forward of the same batch sets the FP8 clip bounds:
     L matches the shadow's share of clipped negative-advantage tokens, H its positive/negative
     update balance), or monitor (the same shadow forwards and diagnostic, logged as clip/*, the
-    configured bounds kept: what plain FP8 clips that high precision would not). Needs an FP8
-    trainer (model.fp8; the shadow computes its linears in high precision) or a bf16 one
-    (model.dtype=bfloat16; the shadow is its float32 forward, models/shadow.py)."""
+    configured bounds kept: what plain FP8 clips that high precision would not), or gate (ours: the
+    configured bounds, but every token's clip decision is taken on the shadow's ratio while the
+    gradient flows through the FP8 ratio, so FP8 over-clips nothing by construction; the shadow
+    computes log π_old of the whole batch before the update and log π_θ of every later mini-batch,
+    about one forward of the batch more than shadow/monitor per step; monitor's diagnostic is
+    logged as well: what the FP8 ratio would have clipped. Token-level ratios, decoupled
+    old_policy). Needs an FP8 trainer (model.fp8; the shadow computes its linears in high
+    precision) or a bf16 one (model.dtype=bfloat16; the shadow is its float32 forward,
+    models/shadow.py)."""
     every: int = 20
     """Steps between calibrations (the first step calibrates); the last bounds hold in between."""
     level: str = "auto"
@@ -351,6 +357,9 @@ class AlgorithmConfig:
         _check(level in ("auto", self.ratio_level), "algorithm.calibration.level",
                f"{level} calibration cannot match algorithm.name={self.name}, whose "
                f"ratio is {self.ratio_level}-level; use auto or {self.ratio_level}")
+        _check(self.calibration.mode != "gate" or (self.ratio_level == "token" and self.old_policy == "decoupled"),
+               "algorithm.calibration.mode", f"gate is wired for token-level ratios with old_policy=decoupled "
+               f"(the shadow's π_old), got algorithm.name={self.name}, old_policy={self.old_policy}")
         low, high = 1 - self.clip.low, 1 + self.clip.high
         _check(0 < limits.low_min <= low <= limits.low_max <= 1, "algorithm.calibration.limits.low_min",
                f"need 0 < limits.low_min <= 1 - clip.low <= limits.low_max <= 1, got "

@@ -25,7 +25,7 @@ import torch
 from megatron_fp8rl.rl.calibrated_clipping import ClipBounds
 from megatron_fp8rl.rl.common import masked_mean
 from megatron_fp8rl.rl.correction import masked_importance_weights, truncated_importance_weights
-from megatron_fp8rl.rl.losses import policy_loss
+from megatron_fp8rl.rl.losses import policy_loss, token_ratio
 from megatron_fp8rl.rl.metrics import mismatch_metrics
 from megatron_fp8rl.rl.noise import (
     NoiseFloor,
@@ -175,11 +175,14 @@ class Objective:
         old = rollout if bypass else trainer_old
         if terms.capture is not None:
             terms.capture.append(tuple(t.detach() for t in (logprobs, old, mb.advantages, mask)))
+        decision = None  # the shadow gate: the clip decided on the shadow's ratio (calibration.mode=gate)
+        if mb.shadow_logprobs is not None:
+            decision = token_ratio(mb.shadow_logprobs.double(), mb.shadow_old_logprobs.double()).to(logprobs.dtype)
         out = policy_loss(logprobs, old, mb.advantages, mask, ratio_level=ratio_level,
                           clip_low=limits.clip_low, clip_high=limits.clip_high, agg_mode=algo.agg_mode,
                           max_response_length=self.max_response_length, denominator=terms.denominator,
                           correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef,
-                          dual_clip=algo.clip.dual or None)
+                          dual_clip=algo.clip.dual or None, decision_ratio=decision)
         if terms.at_old_policy:
             metrics.update(_train_forward_noise(logprobs, old, mask))
         if trainer_old is not None:

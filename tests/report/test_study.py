@@ -21,7 +21,7 @@ def _config(overrides, common=COMMON):
 
 def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
-    assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "tensorwise",
+    assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "groupwise32_gate", "tensorwise",
                              "blockwise", "tensorwise_cc", "blockwise_cc", "bf16_fp8block_tis", "aligned",
                              "aligned_cc", "tensorwise_noise", "float32"]
     bf16 = by_name["bf16"]
@@ -43,6 +43,8 @@ def test_the_issue_arms():
     remedy, cc = by_name["groupwise32_cc_noise"], by_name["groupwise32_cc"]
     assert (remedy.algorithm.calibration.rule, cc.algorithm.calibration.rule) == ("noise", "quantile")
     assert remedy.algorithm.calibration.mode == "shadow" and (remedy.model.fp8, remedy.rollout.fp8) == ("groupwise32", "aligned")
+    gate = by_name["groupwise32_gate"]  # the clip decided on the shadow's ratio, the configured bounds
+    assert (gate.algorithm.calibration.mode, gate.model.fp8, gate.rollout.fp8) == ("gate", "groupwise32", "aligned")
     noise = by_name["tensorwise_noise"]
     assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
     assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm

@@ -221,3 +221,20 @@ def test_the_fp8_noise_quantile_is_each_runs_median_over_steps(tmp_path):
     row = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
     assert row["| groupwise32"][column] == "-0.400 [-0.600, -0.200]"
     assert row["| bf16"][column] == "n/a"
+
+
+def test_the_gate_arm_is_compared_with_its_plain_and_cc_arms(tmp_path):
+    """A `<recipe>_gate` arm gets its own verdict line: the diagnostic of its decisions (0), what its
+    FP8 ratio would have over-clipped (clip/neg_overclip_fp8), accuracy and the paired tests against
+    the plain and the CC arm on the same seeds."""
+    plain_eval, better = [1] * 4 + [0] * 6, [1] * 8 + [0] * 2
+    runs = {"bf16": {"1": _run(tmp_path / "b1", _scalars(), {0: [0] * 10, 8: plain_eval})},
+            "groupwise32": {"1": _run(tmp_path / "p1", _scalars([0.08] * 8), {8: plain_eval})},
+            "groupwise32_cc": {"1": _run(tmp_path / "c1", _scalars([0.02] * 8), {8: plain_eval})},
+            "groupwise32_gate": {"1": _run(tmp_path / "g1", {**_scalars([0.0] * 8), "clip/neg_overclip_fp8": [0.06] * 8},
+                                           {8: better})}}
+    lines = "\n".join(verdict_lines(arm_figures(runs), "bf16"))
+    line = next(x for x in lines.splitlines() if x.startswith("- **groupwise32_gate"))
+    assert "diagnostic 8.0% -> 0.0% (its FP8 ratio would have over-clipped 6.0%); accuracy 0.400 -> 0.800" in line
+    assert "seed 1: 4 gained / 0 lost" in line.split("against groupwise32_cc")[0]
+    assert "against groupwise32_cc (accuracy 0.400, diagnostic 2.0%) vs groupwise32_cc on the same problems: seed 1: 4 gained / 0 lost" in line

@@ -197,3 +197,41 @@ def test_clipped_tokens_get_no_gradient(batch, clip_low, clip_high, dual_clip, l
     free = ~clipped & mask
     # Unclipped tokens are pushed in the direction of their advantage: dL/dlogp has sign -A.
     assert bool((grad[free] * advantages[free] < 0).all())
+
+
+def test_the_shadow_gate_decides_the_clip_and_the_gradient_flows_through_the_fp8_ratio():
+    """decision_ratio (calibration.mode=gate): a token is clipped where the decision ratio is out
+    of bounds, whatever the FP8 ratio r; an active token's gradient is d(−A·r)/dlogp = −A·r."""
+    # A<0: FP8 below the bound, shadow inside (plain PPO would silence it: the over-clip the gate removes);
+    # A<0: FP8 inside, shadow below; A>0: FP8 above, shadow inside; A>0: FP8 inside, shadow above;
+    # A<0: shadow above the dual clip
+    r = torch.tensor([[0.7, 0.9, 1.5, 1.1, 1.0]], dtype=torch.float64)
+    decision = torch.tensor([[0.9, 0.7, 1.1, 1.5, 4.0]], dtype=torch.float64)
+    advantages = torch.tensor([[-1.0, -2.0, 1.0, 3.0, -1.0]], dtype=torch.float64)
+    old = torch.zeros_like(r)
+    logprobs = r.log().requires_grad_()
+    mask = torch.ones_like(r, dtype=torch.bool)
+    out = policy_loss(logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0,
+                      agg_mode="seq-mean-token-sum", decision_ratio=decision)
+    (grad,) = torch.autograd.grad(out.loss, logprobs)
+    torch.testing.assert_close(grad, torch.tensor([[0.7, 0.0, -1.5, 0.0, 0.0]], dtype=torch.float64))
+    # the values: active −A·r, clipped −A·clip(r), dual −A·c
+    torch.testing.assert_close(out.loss.detach(), torch.tensor(0.7 + 2 * 0.9 - 1.5 - 3 * 1.1 + 3.0, dtype=torch.float64))
+    # the clip fractions are the decisions taken: 1 of 5 tokens low (A<0, decision 0.7), 1 high, 1 dual
+    assert float(out.metrics["clip_frac_low"]) == pytest.approx(0.2) and float(out.metrics["clip_frac_high"]) == pytest.approx(0.2)
+    assert float(out.metrics["dual_clip_frac"]) == pytest.approx(0.2) and float(out.metrics["ratio_min"]) == pytest.approx(0.7)
+    with pytest.raises(RLInputError, match="ratio_level token"):
+        policy_loss(logprobs, old, advantages, mask, ratio_level="sequence", decision_ratio=decision)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), clip_values, clip_values, dual_clips, st.sampled_from(AGGREGATION_MODES))
+def test_a_gate_on_the_ratio_itself_is_plain_ppo(batch, clip_low, clip_high, dual_clip, mode):
+    """decision_ratio = r gives PPO's loss and gradient (the gate changes only which ratio decides)."""
+    logprobs, old, advantages, mask = batch
+    plain_lp, gated_lp = logprobs.clone().requires_grad_(), logprobs.clone().requires_grad_()
+    kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg_mode=mode)
+    plain = policy_loss(plain_lp, old, advantages, mask, **kwargs)
+    gated = policy_loss(gated_lp, old, advantages, mask, decision_ratio=(logprobs - old).exp(), **kwargs)
+    torch.testing.assert_close(gated.loss, plain.loss)
+    torch.testing.assert_close(torch.autograd.grad(gated.loss, gated_lp)[0], torch.autograd.grad(plain.loss, plain_lp)[0])

@@ -49,6 +49,7 @@ def test_unknown_key_suggests_closest(capsys):
     ("algorithm.clip.dual=0.5", r"algorithm.clip.dual: must be 0 \(off\) or a finite number > 1, got 0.5"),
     ("algorithm.calibration.rule=median", r"algorithm.calibration.rule: 'median' is not one of"),
     ("algorithm.calibration.noise_tail=0.5", r"algorithm.calibration.noise_tail: must be in \(0, 0.5\), got 0.5"),
+    ("algorithm.calibration.overclip_budget=1", r"algorithm.calibration.overclip_budget: must be in \[0, 1\), got 1"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -303,3 +304,16 @@ def test_nested_algorithm_groups_take_yaml_and_overrides(tmp_path):
     assert (algo.clip.low, algo.clip.high, algo.clip.dual) == (0.25, 0.3, 0.0)
     assert (algo.calibration.mode, algo.calibration.every, algo.calibration.limits.high_max) == ("shadow", 3, 1.7)
     assert (algo.calibration.limits.low_min, algo.noise.quantile) == (0.5, 0.95)  # defaults kept beside set fields
+
+
+@pytest.mark.parametrize("override, found", [("algorithm.name=gspo", "algorithm.name=gspo, old_policy=decoupled"),
+                                             ("algorithm.old_policy=bypass", "algorithm.name=grpo, old_policy=bypass")])
+def test_the_shadow_gate_refuses_what_it_is_not_wired_for(override, found):
+    """calibration.mode=gate decides the clip on token-level shadow ratios against the shadow's
+    π_old: GSPO's sequence ratio and bypass (no π_old) are refused by name."""
+    base = ["model.hf_path=/x", "model.fp8=groupwise32", "algorithm.name=grpo", "algorithm.calibration.mode=gate"]
+    assert load_config(RunConfig, None, base).algorithm.calibration.mode == "gate"
+    extra = ["algorithm.correction=none"] if "bypass" in override else []
+    with pytest.raises(ConfigError, match=rf"algorithm.calibration.mode: gate is wired for token-level ratios with "
+                                          rf"old_policy=decoupled .*got {found}"):
+        load_config(RunConfig, None, [*base, override, *extra])

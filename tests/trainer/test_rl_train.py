@@ -312,3 +312,30 @@ def test_train_bf16_checkpoints_resumes_and_exports(tiny_run_inputs, tmp_path):
     assert weight.dtype == torch.float32
     assert torch.equal(weight.bfloat16().float(), weight)
     assert not torch.equal(weight, step1["model.layers.0.mlp.down_proj.weight"])
+
+
+@pytest.mark.multiprocess
+def test_the_shadow_gate_takes_the_clip_decisions_of_the_shadows_ratio(tiny_run_inputs, tmp_path):
+    """algorithm.calibration.mode=gate, 2 mini-batches of one micro-batch each: the first trains
+    at θ_old (shadow ratio exactly 1: nothing clipped), the second clips where the shadow's ratio
+    is out of bounds. The recorded m* values (the second mini-batch's FP8 and shadow ratios) give
+    the step's lower-clip fraction: half the shadow's clip share, not the FP8 ratio's."""
+    run_train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "algorithm.calibration.mode=gate",
+              "algorithm.calibration.every=1", "algorithm.calibration.record=true", "train.mini_batches=2",
+              "train.micro_batch_size=4", "train.eval_every=0", "algorithm.dynamic_sampling=false",
+              "algorithm.clip.low=0.05", "algorithm.calibration.limits.low_max=0.95")
+    scalars = tb_scalars(tmp_path)
+    assert scalars["clip/low"] == [pytest.approx(0.95)] * 2  # the configured bounds stay in force
+    records = [load_file(path) for path in sorted((tmp_path / "calibration").glob("*.safetensors"))]
+    assert len(records) == 2
+    differs = False
+    for values, logged in zip(records, scalars["train/clip_frac_low"]):
+        negative = values["advantages"] < 0
+        shadow_share = float((negative & (values["shadow_ratio"] < 0.95)).double().mean())
+        fp8_share = float((negative & (values["ratio"] < 0.95)).double().mean())
+        assert logged == pytest.approx(shadow_share / 2, abs=1e-6), (logged, shadow_share, fp8_share)
+        differs |= abs(fp8_share - shadow_share) > 1e-3
+    assert differs, "the FP8 and shadow ratios clipped the same tokens: the test cannot tell them apart"
+    # the diagnostic of the decisions taken: no over-clip; what the FP8 ratio would have over-clipped, beside it
+    assert scalars["clip/neg_overclip_before"] and all(v == 0 for v in scalars["clip/neg_overclip_before"])
+    assert max(scalars["clip/neg_overclip_fp8"]) > 0
