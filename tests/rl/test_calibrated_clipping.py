@@ -201,18 +201,23 @@ def test_noise_rule_lower_bound_is_the_configured_one_times_the_noise_tail():
         noise_lower_bound(shadow, shadow, adv, 0.8, 0.5)
 
 
+def _heavy_tailed(shadow_spread: float, n: int = 4000):
+    """(FP8 ratio, shadow ratio, advantage) [n]: shadow ratios N(1, spread²) (α = 0 at clip 0.2),
+    FP8 noise log-normal with σ = 0.1 and 0.5% of the values off by e^-1.5; signs at random."""
+    gen = torch.Generator().manual_seed(1)
+    adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    shadow = (1 + shadow_spread * torch.randn(n, generator=gen)).double()
+    noise = 0.1 * torch.randn(n, generator=gen).double()
+    noise[::200] = -1.5
+    return shadow * torch.exp(noise), shadow, adv
+
+
 def test_at_small_alpha_the_quantile_rule_sits_at_its_limit_and_the_noise_rule_calibrates():
     """Issue 44's failure: the shadow clips no bad token (α = 0), FP8 noise spreads the ratios
     with a heavy tail (0.5% of tokens off by e^-1.5). The α-quantile puts L below every FP8
     ratio, at low_min, flagged; the noise rule puts L where 1% of tokens at the configured bound
     would be over-clipped, inside the limits."""
-    gen = torch.Generator().manual_seed(1)
-    n = 4000
-    adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
-    shadow = (1 + 0.02 * torch.randn(n, generator=gen)).double()
-    noise = 0.1 * torch.randn(n, generator=gen).double()
-    noise[::200] = -1.5
-    fp8 = shadow * torch.exp(noise)
+    fp8, shadow, adv = _heavy_tailed(shadow_spread=0.02)
     limits = ClipLimits(low_min=0.5, low_max=0.95, high_min=1.05, high_max=1.5)
     plain = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0)
     assert plain.alpha == 0.0 and plain.bounds.low == 0.5 and plain.low_at_limit
@@ -296,13 +301,7 @@ def test_at_small_alpha_the_budget_rule_sets_a_higher_bound_than_the_noise_rule(
     spread around 1 as in a run: both rules calibrate inside the limits, the budget rule's L is
     the higher one (it prices tokens where they are, not at the bound), and its over-clip on the
     same values is within the budget."""
-    gen = torch.Generator().manual_seed(1)
-    n = 4000
-    adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
-    shadow = (1 + 0.05 * torch.randn(n, generator=gen)).double()
-    noise = 0.1 * torch.randn(n, generator=gen).double()
-    noise[::200] = -1.5
-    fp8 = shadow * torch.exp(noise)
+    fp8, shadow, adv = _heavy_tailed(shadow_spread=0.05)
     limits = ClipLimits(low_min=0.5, low_max=0.95, high_min=1.05, high_max=1.5)
     by_noise = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0, rule="noise", noise_tail=0.01)
     by_budget = calibrate(fp8, shadow, adv, PLAIN, PLAIN, None, limits, 0.0, rule="budget", overclip_budget=0.01)
