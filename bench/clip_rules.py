@@ -15,7 +15,8 @@ calibrated a step before):
                  target: <= 1%)
     under-clip   the reverse: A<0 values the shadow clips and FP8 does not (a rule that lowers L
                  buys less over-clip with more of these)
-Rules: plain (the configured bounds), quantile (the paper's α-quantile), noise at δ (ours, the
+Rules: plain (the configured bounds), floor (L at limits.low_min throughout: what no lower bound
+within the limits can avoid), quantile (the paper's α-quantile), noise at δ (ours, the
 δ-quantile of log r − log r_s priced at the bound), budget at τ (ours: at most τ of the shadow's
 unclipped A<0 values below L). The ratios do not depend on the rule: under aligned rollouts the
 first mini-batch trains at ratio 1, so the calibrated mini-batch's θ does not depend on the bounds
@@ -39,10 +40,11 @@ sys.path.insert(0, str(REPO))
 
 from megatron_fp8rl.rl.calibrated_clipping import ClipBounds, ClipLimits, calibrate, clip_diagnostic  # noqa: E402
 
-RULES = {"plain": None, "quantile": {"rule": "quantile"},
+RULES = {"plain": None, "floor": {"floor": True}, "quantile": {"rule": "quantile"},
          **{f"noise δ={d:g}": {"rule": "noise", "noise_tail": d} for d in (0.01, 0.05, 0.1)},
          **{f"budget τ={t:g}": {"rule": "budget", "overclip_budget": t} for t in (0.01, 0.02, 0.05)}}
-"""Rule name -> calibrate's rule arguments (None: the configured bounds, never calibrated)."""
+"""Rule name -> calibrate's rule arguments (None: the configured bounds, never calibrated; floor: L at
+limits.low_min on every step, the least over-clip any lower bound within the limits reaches)."""
 
 
 @dataclass
@@ -79,6 +81,8 @@ def replay(values: list[dict], rule: dict | None, configured: ClipBounds, limits
     """Calibrate on each record in turn (as ClipCalibrator does) and score the bounds in force on
     every record after the first."""
     score, current, previous = Score(), configured, None
+    if rule is not None and rule.get("floor"):
+        current, rule = ClipBounds(limits.low_min, configured.high), None
     for index, v in enumerate(values):
         ratio, shadow, adv = v["ratio"], v["shadow_ratio"], v["advantages"]
         negatives = int((adv < 0).sum())

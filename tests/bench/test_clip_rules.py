@@ -52,6 +52,8 @@ def test_the_rules_differ_as_designed_on_heavy_tailed_noise(tmp_path):
     budget = bench.replay(values, bench.RULES["budget τ=0.01"], configured, limits, smoothing)
     noise = bench.replay(values, bench.RULES["noise δ=0.01"], configured, limits, smoothing)
     assert quantile.lows == [0.5] * 4 and quantile.at_limit == 4
+    floor = bench.replay(values, bench.RULES["floor"], configured, limits, smoothing)
+    assert floor.lows == [0.5] * 4 and floor.over == quantile.over  # the quantile rule there: no better than the floor
     assert budget.at_limit == 0 and all(0.5 < low < 0.8 for low in budget.lows)
     assert budget.over / budget.negatives <= 0.015
     assert noise.lows[0] < budget.lows[0]
