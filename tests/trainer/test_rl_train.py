@@ -315,12 +315,15 @@ def test_train_bf16_checkpoints_resumes_and_exports(tiny_run_inputs, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_the_shadow_gate_takes_the_clip_decisions_of_the_shadows_ratio(tiny_run_inputs, tmp_path):
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # TP=2: ~70 s more
+def test_the_shadow_gate_takes_the_clip_decisions_of_the_shadows_ratio(tiny_run_inputs, tmp_path, tp):
     """algorithm.calibration.mode=gate, 2 mini-batches of one micro-batch each: the first trains
     at θ_old (shadow ratio exactly 1: nothing clipped), the second clips where the shadow's ratio
     is out of bounds. The recorded m* values (the second mini-batch's FP8 and shadow ratios) give
-    the step's lower-clip fraction: half the shadow's clip share, not the FP8 ratio's."""
-    run_train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "algorithm.calibration.mode=gate",
+    the step's lower-clip fraction: half the shadow's clip share, not the FP8 ratio's. At TP=2
+    (2 torchrun processes) likewise: the shadow's logprobs reach the loss on both ranks."""
+    run_train(tiny_run_inputs, tmp_path, tp, f"model.tensor_parallel={tp}", "model.fp8=calibrated",
+              "algorithm.calibration.mode=gate",
               "algorithm.calibration.every=1", "algorithm.calibration.record=true", "train.mini_batches=2",
               "train.micro_batch_size=4", "train.eval_every=0", "algorithm.dynamic_sampling=false",
               "algorithm.clip.low=0.05", "algorithm.calibration.limits.low_max=0.95")
