@@ -56,12 +56,12 @@ class ClipCalibrator:
         self.configured = ClipBounds.from_epsilons(algo.clip.low, algo.clip.high)
         self.limits: ClipLimits = algo.calibration.limits
         self.applies = algo.calibration.mode == "shadow"
+        """Whether calibrations set the bounds (shadow) or are only reported (monitor, gate)."""
         self.gated = algo.calibration.mode == "gate"
         """The loss takes its clip decisions on the shadow's ratio (actor.update): the diagnostic of
         the decisions taken is the shadow's own (no over-clip), the FP8 ratio's goes to clip/*_fp8."""
         self.rule, self.noise_tail = algo.calibration.rule, algo.calibration.noise_tail
         self.overclip_budget = algo.calibration.overclip_budget
-        """Whether calibrations set the bounds (shadow) or are only reported (monitor)."""
         self.calibrated: ClipBounds | None = None
         """The bounds in force after the last successful calibration; None before the first."""
         self.calibrations = self.skipped = 0
