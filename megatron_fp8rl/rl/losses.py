@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_fp8rl.rl.calibrated_clipping import ClipBounds, is_clipped
 from megatron_fp8rl.rl.common import (
     RLInputError,
     check_finite,
@@ -114,7 +115,7 @@ def _gated_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, decision: to
                      clip_high: float, dual_clip: float | None) -> torch.Tensor:
     """`clipped_surrogate` with the clip decided on `decision` (its docstring)."""
     negative = advantages < 0
-    clipped = ((advantages > 0) & (decision > 1 + clip_high)) | (negative & (decision < 1 - clip_low))
+    clipped = is_clipped(decision, advantages, ClipBounds.from_epsilons(clip_low, clip_high))
     constant = (-advantages * ratio.clamp(1 - clip_low, 1 + clip_high)).detach()
     if dual_clip is not None:
         dual = negative & (decision > dual_clip)
