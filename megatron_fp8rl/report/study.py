@@ -16,7 +16,9 @@ bound follows the noise rule, algorithm.calibration.rule=noise, so it calibrates
 token's clip decision taken on the high-precision shadow's ratio, algorithm.calibration.mode=gate,
 so FP8 over-clips nothing by construction, for a shadow forward of every mini-batch); an arm trains under the first `seeds` of --seeds (3 for
 bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms), and
-`float32` (no FP8, no bf16) is the second reference, 3 seeds.
+`float32` (no FP8, no bf16) is the second reference, 3 seeds. Harsh adds two probes with the
+normalization gains frozen (train.norm_lr_mult=0), as bf16's rounding all but does:
+`float32_frozen_norms` and `groupwise32_frozen_norms`, 2 seeds.
 
 The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
 trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (old and current
@@ -99,6 +101,16 @@ V2_EXTRA_ARMS = (
                                  "algorithm.correction=none"), seeds=1),
 )
 """v2's other arms (the harsh regime only, where their runs are committed)."""
+FROZEN_NORMS = ("train.norm_lr_mult=0",)
+PROBE_ARMS = (
+    Setting("float32_frozen_norms", (*FLOAT32_ARM.overrides, *FROZEN_NORMS)),
+    Setting("groupwise32_frozen_norms", (*DEFAULT, *MONITOR, *FROZEN_NORMS)),
+)
+"""Harsh only: the normalization gains frozen (train.norm_lr_mult=0). In the harsh job bf16 learned
+where float32 and every groupwise32 arm fell (seed 1: 0.594 against 0.062-0.359); Megatron bf16
+leaves the gains all but frozen by rounding (bench/bf16_update_visibility.py: 2% of lr-sized
+updates reach the bf16 copy), so these two arms ask whether the gains' updates are what brings the
+high-precision and FP8 runs down, and give FP8 bf16's implicit choice explicitly."""
 
 # The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
 # sampling temperature, two mini-batches per step (so the clip bounds act on a moved policy), and
@@ -143,7 +155,8 @@ class Regime:
 
 
 REGIMES = {
-    "harsh": Regime("harsh", COMMON, FULL, "results/stability", (*CORE_ARMS, *V2_EXTRA_ARMS, FLOAT32_ARM),
+    "harsh": Regime("harsh", COMMON, FULL, "results/stability", (*CORE_ARMS, *V2_EXTRA_ARMS, *PROBE_ARMS,
+                                                                     FLOAT32_ARM),
                     "Harsh regime (study v2's job): 2 prompts x 8 samples at temperature 0.7, 16 tokens, "
                     "lr 3e-5, 2 mini-batches, 30 steps, 64 held-out problems."),
     **{f"moderate{m}": Regime(f"moderate{m}", MODERATE_COMMON, {**MODERATE, "train.mini_batches": m},
@@ -245,10 +258,13 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
             "float32 outside the FP8 GEMMs, the bf16 arms run Megatron bf16 mixed precision and bf16 "
             "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). bf16, groupwise32 (the default: 1x32 "
             "groups, aligned rollouts), its CC arm, groupwise32_cc_noise (CC with the noise rule) and "
-            "groupwise32_gate (the clip decided on the shadow's ratio) run 3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1; float32 (no FP8, no bf16: float32 Megatron "
+            "groupwise32_gate (the clip decided on the shadow's ratio) run 3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1{probes}; float32 (no FP8, no bf16: float32 Megatron "
             "and SGLang, no shadow) runs 3 seeds as the second reference every arm is compared with. Command: `megatron-fp8rl stability "
             "--regime {regime}` (bench/stability.py); per-run plots in runs/.")
 
+
+PROBES_NOTE = (", float32_frozen_norms and groupwise32_frozen_norms (the normalization gains frozen, "
+               "train.norm_lr_mult=0, as bf16's rounding all but freezes them) 2")
 
 RECORDING_KEYS = ("algorithm.calibration.record",)
 """Overrides that change what a run writes, not how it trains: a finished run made without them is
@@ -411,8 +427,9 @@ def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, ti
     from megatron_fp8rl.report.markdown import write_report
     from megatron_fp8rl.report.study_report import write_study_report
 
+    probes = PROBES_NOTE if any(arm in regime.arms for arm in PROBE_ARMS) else ""
     report = write_study_report(finished, study_dir / "report", REFERENCE,
-                                f"{regime.about} {PREAMBLE.format(regime=regime.name)}",
+                                f"{regime.about} {PREAMBLE.format(regime=regime.name, probes=probes)}",
                                 {k: v for k, v in timings.items() if k.split("/")[0] in finished},
                                 also_against=(HIGH_PRECISION,))
     first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]

@@ -5,6 +5,7 @@ Must not import: cli. The RL loss is passed in as a function; this module knows 
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -16,7 +17,13 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (
+    MegatronOptimizer,
+    OptimizerConfig,
+    ParamKey,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
@@ -50,9 +57,16 @@ class OptimConfig:
     reported as nan)."""
     distributed_optimizer: bool = True
     """Shard optimizer state over the data-parallel group (Megatron's distributed optimizer)."""
+    norm_lr_mult: float = 1.0
+    """Learning rate of the normalization gains (every parameter whose name holds `layernorm` or
+    `layer_norm`: input, pre-MLP, q/k and final norms, local or TE spec) as a multiple of lr; 0
+    freezes them. Megatron bf16 training all but freezes them by rounding (a gain near 1 sits on
+    a 2^-7 grid that lr-sized updates rarely cross); this gives an FP8 or float32 run the same
+    choice explicitly. Megatron's param-group overrides (optimizer.ParamKey) carry it."""
 
     def __post_init__(self):
-        for name, low_open in (("lr", True), ("weight_decay", False), ("clip_grad", False)):
+        for name, low_open in (("lr", True), ("weight_decay", False), ("clip_grad", False),
+                               ("norm_lr_mult", False)):
             value = getattr(self, name)
             if not (math.isfinite(value) and (value > 0 if low_open else value >= 0)):
                 raise ValueError(f"{name}: must be a finite number {'>' if low_open else '>='} 0, got {value}")
@@ -96,9 +110,25 @@ def build_optimizer(model: DistributedDataParallel, cfg: OptimConfig) -> Megatro
         fp16=model.config.fp16,
         params_dtype=model.config.params_dtype,
     )
-    optimizer = get_megatron_optimizer(config, [model])
+    overrides = None  # Megatron's standard groups, as before norm_lr_mult existed
+    if cfg.norm_lr_mult != 1.0:
+        norms = [name for name, _ in model.named_parameters() if _is_norm(name)]
+        if not norms:
+            raise ValueError(f"norm_lr_mult: {cfg.norm_lr_mult} set, but no parameter of the model is a "
+                             f"normalization gain (no name holds 'layernorm' or 'layer_norm')")
+        overrides = get_standard_config_overrides(config)
+        overrides[ParamKey(name=NORM_PARAM_NAMES)] = {"lr": cfg.lr * cfg.norm_lr_mult}
+    optimizer = get_megatron_optimizer(config, [model], config_overrides=overrides)
     fuse_torch_adam(optimizer)
     return optimizer
+
+
+NORM_PARAM_NAMES = ("*layernorm*", "*layer_norm*")
+"""Megatron names of normalization parameters (fnmatch patterns, as optimizer.ParamKey matches)."""
+
+
+def _is_norm(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in NORM_PARAM_NAMES)
 
 
 @dataclass

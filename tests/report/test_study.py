@@ -23,7 +23,8 @@ def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
     assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "groupwise32_gate", "tensorwise",
                              "blockwise", "tensorwise_cc", "blockwise_cc", "bf16_fp8block_tis", "aligned",
-                             "aligned_cc", "tensorwise_noise", "float32"]
+                             "aligned_cc", "tensorwise_noise", "float32_frozen_norms",
+                             "groupwise32_frozen_norms", "float32"]
     bf16 = by_name["bf16"]
     float32 = by_name["float32"]  # the second reference: no FP8, no bf16, no shadow to compare with
     assert (float32.model.dtype, float32.rollout.dtype, float32.model.fp8, float32.rollout.fp8) == ("float32",) * 2 + ("none",) * 2
@@ -45,6 +46,11 @@ def test_the_issue_arms():
     assert remedy.algorithm.calibration.mode == "shadow" and (remedy.model.fp8, remedy.rollout.fp8) == ("groupwise32", "aligned")
     gate = by_name["groupwise32_gate"]  # the clip decided on the shadow's ratio, the configured bounds
     assert (gate.algorithm.calibration.mode, gate.model.fp8, gate.rollout.fp8) == ("gate", "groupwise32", "aligned")
+    for probe, reference in (("float32_frozen_norms", "float32"), ("groupwise32_frozen_norms", "groupwise32")):
+        # the reference arm with the normalization gains frozen, nothing else changed
+        assert by_name[probe].train.norm_lr_mult == 0 and by_name[reference].train.norm_lr_mult == 1
+        by_name[probe].train.norm_lr_mult = 1.0
+        assert by_name[probe] == by_name[reference]
     noise = by_name["tensorwise_noise"]
     assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
     assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm
