@@ -17,7 +17,7 @@ token's clip decision taken on the high-precision shadow's ratio, algorithm.cali
 so FP8 over-clips nothing by construction, for a shadow forward of every mini-batch); an arm trains under the first `seeds` of --seeds (3 for
 bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms), and
 `float32` (no FP8, no bf16) is the second reference, 3 seeds. Harsh adds two probes with the
-normalization gains frozen (train.norm_lr_mult=0), as bf16's rounding all but does:
+normalization gains frozen (train.norm_lr_mult=0; bf16's rounding hides their early updates):
 `float32_frozen_norms` and `groupwise32_frozen_norms`, 2 seeds.
 
 The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
@@ -106,11 +106,13 @@ PROBE_ARMS = (
     Setting("float32_frozen_norms", (*FLOAT32_ARM.overrides, *FROZEN_NORMS)),
     Setting("groupwise32_frozen_norms", (*DEFAULT, *MONITOR, *FROZEN_NORMS)),
 )
-"""Harsh only: the normalization gains frozen (train.norm_lr_mult=0). In the harsh job bf16 learned
-where float32 and every groupwise32 arm fell (seed 1: 0.594 against 0.062-0.359); Megatron bf16
-leaves the gains all but frozen by rounding (bench/bf16_update_visibility.py: 2% of lr-sized
-updates reach the bf16 copy), so these two arms ask whether the gains' updates are what brings the
-high-precision and FP8 runs down, and give FP8 bf16's implicit choice explicitly."""
+"""Harsh only: the normalization gains frozen (train.norm_lr_mult=0). In the harsh job bf16 seed 1
+learned (0.594) where float32 and every groupwise32 arm fell (0.062-0.359). Megatron bf16 hides a
+gain's update from its forward until it adds up to half a bf16 spacing (the gains sit on the bf16
+grid; bench/bf16_update_visibility.py --lr 3e-5 --steps 1,10,60: 0.5% / 11% / 96% of them moved
+after 1 / 10 / 60 same-sign updates, results/bf16_update_visibility/smollm2_harsh.txt), so bf16
+trains them late and little. These two arms ask whether the gains' updates are what brings the
+float32 and FP8 runs down, with the choice made explicit."""
 
 # The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
 # sampling temperature, two mini-batches per step (so the clip bounds act on a moved policy), and
@@ -264,7 +266,7 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
 
 
 PROBES_NOTE = (", float32_frozen_norms and groupwise32_frozen_norms (the normalization gains frozen, "
-               "train.norm_lr_mult=0, as bf16's rounding all but freezes them) 2")
+               "train.norm_lr_mult=0; bf16's rounding hides their early updates) 2")
 
 RECORDING_KEYS = ("algorithm.calibration.record",)
 """Overrides that change what a run writes, not how it trains: a finished run made without them is

@@ -60,9 +60,10 @@ class OptimConfig:
     norm_lr_mult: float = 1.0
     """Learning rate of the normalization gains (every parameter whose name holds `layernorm` or
     `layer_norm`: input, pre-MLP, q/k and final norms, local or TE spec) as a multiple of lr; 0
-    freezes them. Megatron bf16 training all but freezes them by rounding (a gain near 1 sits on
-    a 2^-7 grid that lr-sized updates rarely cross); this gives an FP8 or float32 run the same
-    choice explicitly. Megatron's param-group overrides (optimizer.ParamKey) carry it."""
+    freezes them. Megatron bf16 training hides a gain's update from its forward until it adds up to
+    half a bf16 spacing (the gains sit on the bf16 grid: bench/bf16_update_visibility.py); this
+    makes the choice explicit for an FP8 or float32 run. Megatron's param-group overrides
+    (optimizer.ParamKey) carry it."""
 
     def __post_init__(self):
         for name, low_open in (("lr", True), ("weight_decay", False), ("clip_grad", False),
