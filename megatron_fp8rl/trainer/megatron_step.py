@@ -113,8 +113,7 @@ def build_optimizer(model: DistributedDataParallel, cfg: OptimConfig) -> Megatro
     )
     overrides = None  # Megatron's standard groups, as before norm_lr_mult existed
     if cfg.norm_lr_mult != 1.0:
-        norms = [name for name, _ in model.named_parameters() if _is_norm(name)]
-        if not norms:
+        if not any(_is_norm(name) for name, _ in model.named_parameters()):
             raise ValueError(f"norm_lr_mult: {cfg.norm_lr_mult} set, but no parameter of the model is a "
                              f"normalization gain (no name holds 'layernorm' or 'layer_norm')")
         overrides = get_standard_config_overrides(config)

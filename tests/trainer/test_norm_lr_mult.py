@@ -26,13 +26,13 @@ def _step_once(mult: float, dtype: torch.dtype, distributed: bool):
         # |g| >> Adam's eps: the first Adam step moves every element by lr (x mult) exactly.
         param.main_grad.copy_(torch.randn(param.shape, generator=generator).sign())
     optimizer.step()
-    return {name: (named[name].detach().float() - start[name]).abs() for name in named}, start
+    return {name: (named[name].detach().float() - start[name]).abs() for name in named}
 
 
 @pytest.mark.parametrize("distributed", [True, False])
 @pytest.mark.parametrize("mult", [0.0, 0.5])
 def test_norm_gains_step_at_lr_times_mult_in_float32(megatron_tp1, mult, distributed):
-    moved, _ = _step_once(mult, torch.float32, distributed)
+    moved = _step_once(mult, torch.float32, distributed)
     norms = [name for name in moved if _is_norm(name)]
     # Local spec names: input_layernorm, pre_mlp_layernorm per layer, and the final norm.
     assert any("final_layernorm" in name for name in norms) and len(norms) == 2 * 2 + 1
@@ -43,7 +43,7 @@ def test_norm_gains_step_at_lr_times_mult_in_float32(megatron_tp1, mult, distrib
 
 
 def test_bf16_master_gains_frozen_and_linears_move(megatron_tp1):
-    moved, _ = _step_once(0.0, torch.bfloat16, True)
+    moved = _step_once(0.0, torch.bfloat16, True)
     for name, delta in moved.items():
         if _is_norm(name):
             assert torch.count_nonzero(delta) == 0, name
@@ -59,6 +59,21 @@ def test_default_steps_every_group_at_lr(megatron_tp1):
     optimizer = build_optimizer(model, OptimConfig(lr=LR))
     groups = [group for part in optimizer.chained_optimizers for group in part.optimizer.param_groups]
     assert groups and all(group["lr"] == LR for group in groups)
+
+
+def test_a_model_without_norms_is_refused(megatron_tp1):
+    from megatron.core.transformer.module import MegatronModule
+    from megatron_fp8rl.models.gpt import tiny_transformer_config
+
+    class NoNorms(MegatronModule):
+        def __init__(self):
+            super().__init__(tiny_transformer_config())
+            self.linear = torch.nn.Linear(4, 4)
+
+    model = wrap_ddp(NoNorms(), True)
+    with pytest.raises(ValueError, match="norm_lr_mult: 0.0 set, but no parameter of the model is a normalization gain"):
+        build_optimizer(model, OptimConfig(norm_lr_mult=0.0))
+    build_optimizer(model, OptimConfig())  # the default needs no norms
 
 
 def test_negative_mult_is_refused():
