@@ -18,7 +18,8 @@ so FP8 over-clips nothing by construction, for a shadow forward of every mini-ba
 bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms), and
 `float32` (no FP8, no bf16) is the second reference, 3 seeds. Harsh adds two probes with the
 normalization gains frozen (train.norm_lr_mult=0; bf16's rounding hides their early updates):
-`float32_frozen_norms` and `groupwise32_frozen_norms`, 2 seeds.
+`float32_frozen_norms` and `groupwise32_frozen_norms`, 2 seeds, and one with a third of the learning
+rate, `float32_low_lr` (bf16's rounding hides most early updates; is the lr the cause?), 2 seeds.
 
 The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
 trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (old and current
@@ -105,14 +106,19 @@ FROZEN_NORMS = ("train.norm_lr_mult=0",)
 PROBE_ARMS = (
     Setting("float32_frozen_norms", (*FLOAT32_ARM.overrides, *FROZEN_NORMS)),
     Setting("groupwise32_frozen_norms", (*DEFAULT, *MONITOR, *FROZEN_NORMS)),
+    Setting("float32_low_lr", (*FLOAT32_ARM.overrides, "train.lr=1e-5")),
 )
 """Harsh only: the normalization gains frozen (train.norm_lr_mult=0). In the harsh job bf16 seed 1
 learned (0.594) where float32 and every groupwise32 arm fell (0.062-0.359). Megatron bf16 hides a
 gain's update from its forward until it adds up to half a bf16 spacing (the gains sit on the bf16
 grid; bench/bf16_update_visibility.py --lr 3e-5 --steps 1,10,60: 0.5% / 11% / 96% of them moved
 after 1 / 10 / 60 same-sign updates, results/bf16_update_visibility/smollm2_harsh.txt), so bf16
-trains them late and little. These two arms ask whether the gains' updates are what brings the
-float32 and FP8 runs down, with the choice made explicit."""
+trains them late and little. The first two arms ask whether the gains' updates are what brings the
+float32 and FP8 runs down, with the choice made explicit. Freezing them did not rescue float32 on
+seed 1 (0.156), so `float32_low_lr` asks the wider question: bf16 hides most of every early update
+(the same bench: 8-10% of the linears' weights moved after one update, 15% of the embeddings), so it
+trains as if at a smaller learning rate; is harsh's lr 3e-5 simply too high for a run that sees
+every update? float32 at lr 1e-5 (the moderate job's), nothing else changed."""
 
 # The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
 # sampling temperature, two mini-batches per step (so the clip bounds act on a moved policy), and
@@ -266,7 +272,8 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
 
 
 PROBES_NOTE = (", float32_frozen_norms and groupwise32_frozen_norms (the normalization gains frozen, "
-               "train.norm_lr_mult=0; bf16's rounding hides their early updates) 2")
+               "train.norm_lr_mult=0; bf16's rounding hides their early updates) and float32_low_lr "
+               "(float32 at lr 1e-5: is harsh's lr the cause?) 2")
 
 RECORDING_KEYS = ("algorithm.calibration.record",)
 """Overrides that change what a run writes, not how it trains: a finished run made without them is
