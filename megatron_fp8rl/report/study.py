@@ -108,7 +108,8 @@ PROBE_ARMS = (
     Setting("groupwise32_frozen_norms", (*DEFAULT, *MONITOR, *FROZEN_NORMS)),
     Setting("float32_low_lr", (*FLOAT32_ARM.overrides, "train.lr=1e-5")),
 )
-"""Harsh only: the normalization gains frozen (train.norm_lr_mult=0). In the harsh job bf16 seed 1
+"""Harsh only: probes of why bf16 beats float32 there, two with the normalization gains frozen
+(train.norm_lr_mult=0) and one at a third of the learning rate. In the harsh job bf16 seed 1
 learned (0.594) where float32 and every groupwise32 arm fell (0.062-0.359). Megatron bf16 hides a
 gain's update from its forward until it adds up to half a bf16 spacing (the gains sit on the bf16
 grid; bench/bf16_update_visibility.py --lr 3e-5 --steps 1,10,60: 0.5% / 11% / 96% of them moved
