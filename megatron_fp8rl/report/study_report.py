@@ -264,6 +264,7 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
         base, _, gate = name.rpartition("_gate")
         if base and not gate and base in summaries:
             lines.append(_gate_line(arms, summaries, base, name))
+    lines += _probe_lines(arms, summaries, (reference, *also_against))
     for against in (reference, *also_against):
         if (match := _match_line(arms, summaries, against)) is not None:
             lines.append(match)
@@ -324,6 +325,25 @@ def _gate_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, na
             f"{_fmt(plain['overclip'], percent=True)} -> {_fmt(gated['overclip'], percent=True)} (its FP8 ratio "
             f"would have over-clipped {_fmt(gated['overclip_fp8'], percent=True)}); accuracy {_fmt(plain['accuracy'])} -> "
             f"{_fmt(gated['accuracy'])}; " + _paired_text(arms, base, name) + against_cc + ".")
+
+
+def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references: tuple[str, ...]) -> list[str]:
+    """A probe is one change made to several arms (`<arm>_<probe>`, e.g. `_low_lr`); where a
+    reference arm has it too (`bf16_low_lr`), the probe is a job of its own, so each of its arms is
+    also compared with the probe's references on the same seeds: one line per probe."""
+    lines = []
+    for probe in sorted({name[len(ref) + 1:] for ref in references for name in summaries if name.startswith(f"{ref}_")}):
+        family = [name for name in summaries if name.endswith(f"_{probe}") and name[: -len(probe) - 1] in summaries]
+        refs = [f"{ref}_{probe}" for ref in references if f"{ref}_{probe}" in family]
+        members = [name for name in family if name != refs[0]]
+        if not members:
+            continue
+        parts = [f"{name} {_fmt(summaries[name]['accuracy'])}: "
+                 + "; ".join(f"{_paired_text(arms, ref, name)} ({ref} {_fmt(summaries[ref]['accuracy'])})"
+                             for ref in refs if ref != name) for name in members]
+        lines.append(f"- **Probe `_{probe}`, against its own references on the same seeds** (a probe changes the "
+                     "job: it says why, not whether the original job's target is met): " + "; ".join(parts) + ".")
+    return lines
 
 
 def _limits_text(summary: dict[str, tuple[float, float, float]]) -> str:

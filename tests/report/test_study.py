@@ -24,7 +24,8 @@ def test_the_issue_arms():
     assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "groupwise32_gate", "tensorwise",
                              "blockwise", "tensorwise_cc", "blockwise_cc", "bf16_fp8block_tis", "aligned",
                              "aligned_cc", "tensorwise_noise", "float32_frozen_norms",
-                             "groupwise32_frozen_norms", "float32_low_lr", "float32"]
+                             "groupwise32_frozen_norms", "float32_low_lr", "bf16_low_lr", "groupwise32_low_lr",
+                             "groupwise32_gate_low_lr", "float32"]
     bf16 = by_name["bf16"]
     float32 = by_name["float32"]  # the second reference: no FP8, no bf16, no shadow to compare with
     assert (float32.model.dtype, float32.rollout.dtype, float32.model.fp8, float32.rollout.fp8) == ("float32",) * 2 + ("none",) * 2
@@ -51,10 +52,12 @@ def test_the_issue_arms():
         assert by_name[probe].train.norm_lr_mult == 0 and by_name[reference].train.norm_lr_mult == 1
         by_name[probe].train.norm_lr_mult = 1.0
         assert by_name[probe] == by_name[reference]
-    low_lr = by_name["float32_low_lr"]  # float32 at a third of harsh's lr, nothing else changed
-    assert (low_lr.train.lr, float32.train.lr) == (1e-5, 3e-5)
-    low_lr.train.lr = float32.train.lr
-    assert low_lr == float32
+    for reference in ("float32", "bf16", "groupwise32", "groupwise32_gate"):
+        # the reference arm at a third of harsh's lr, nothing else changed
+        low_lr = by_name[f"{reference}_low_lr"]
+        assert (low_lr.train.lr, by_name[reference].train.lr) == (1e-5, 3e-5)
+        low_lr.train.lr = by_name[reference].train.lr
+        assert low_lr == by_name[reference]
     noise = by_name["tensorwise_noise"]
     assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
     assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm
