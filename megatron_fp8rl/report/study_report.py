@@ -330,7 +330,9 @@ def _gate_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, na
 def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references: tuple[str, ...]) -> list[str]:
     """A probe is one change made to several arms (`<arm>_<probe>`, e.g. `_low_lr`); where a
     reference arm has it too (`bf16_low_lr`), the probe is a job of its own, so each of its arms is
-    also compared with the probe's references on the same seeds: one line per probe."""
+    also compared with the probe's references on the same seeds, and a remedy arm with its recipe's
+    plain arm under the same change (`groupwise32_gate_low_lr` with `groupwise32_low_lr`): one line
+    per probe."""
     lines = []
     for probe in sorted({name[len(ref) + 1:] for ref in references for name in summaries if name.startswith(f"{ref}_")}):
         family = [name for name in summaries if name.endswith(f"_{probe}") and name[: -len(probe) - 1] in summaries]
@@ -338,9 +340,14 @@ def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references:
         members = [name for name in family if name != refs[0]]
         if not members:
             continue
+        def against(name: str) -> list[str]:
+            arm = name[: -len(probe) - 1]
+            plain = [f"{base}_{probe}" for base in summaries if arm.startswith(f"{base}_") and f"{base}_{probe}" in family]
+            return [ref for ref in refs if ref != name] + plain
+
         parts = [f"{name} {_fmt(summaries[name]['accuracy'])}: "
-                 + "; ".join(f"{_paired_text(arms, ref, name)} ({ref} {_fmt(summaries[ref]['accuracy'])})"
-                             for ref in refs if ref != name) for name in members]
+                 + "; ".join(f"{_paired_text(arms, other, name)} ({other} {_fmt(summaries[other]['accuracy'])})"
+                             for other in against(name)) for name in members]
         lines.append(f"- **Probe `_{probe}`, against its own references on the same seeds** (a probe changes the "
                      "job: it says why, not whether the original job's target is met): " + "; ".join(parts) + ".")
     return lines

@@ -243,11 +243,13 @@ def test_the_gate_arm_is_compared_with_its_plain_and_cc_arms(tmp_path):
 def test_a_probe_is_compared_with_the_references_that_have_the_same_change(tmp_path):
     """Arms that share a change with a reference arm (`bf16_low_lr`, `float32_low_lr`,
     `groupwise32_low_lr`) form a probe: one verdict line compares each of its arms with the probe's
-    references on the same seeds; an arm whose suffix no other arm shares (bf16_fp8block_tis) is no probe."""
-    ten = {"low": [1] * 3 + [0] * 7, "mid": [1] * 6 + [0] * 4, "high": [1] * 9 + [0]}
+    references on the same seeds, and a remedy (`groupwise32_gate_low_lr`) with its recipe's plain
+    arm under the same change; an arm whose suffix no other arm shares (bf16_fp8block_tis) is no probe."""
+    ten = {"low": [1] * 3 + [0] * 7, "mid": [1] * 6 + [0] * 4, "high": [1] * 9 + [0], "top": [1] * 10}
     runs = {name: {"1": _run(tmp_path / name, _scalars([0.01] * 8), {0: [0] * 10, 8: ten[level]})}
             for name, level in (("bf16", "mid"), ("float32", "low"), ("groupwise32", "low"), ("bf16_fp8block_tis", "mid"),
-                                ("bf16_low_lr", "mid"), ("float32_low_lr", "high"), ("groupwise32_low_lr", "high"))}
+                                ("groupwise32_gate", "low"), ("bf16_low_lr", "mid"), ("float32_low_lr", "high"),
+                                ("groupwise32_low_lr", "high"), ("groupwise32_gate_low_lr", "top"))}
     lines = verdict_lines(arm_figures(runs), "bf16", ("float32",))
     probes = [line for line in lines if line.startswith("- **Probe")]
     assert len(probes) == 1 and probes[0].startswith("- **Probe `_low_lr`")
@@ -256,5 +258,9 @@ def test_a_probe_is_compared_with_the_references_that_have_the_same_change(tmp_p
             "(bf16_low_lr 0.600); vs float32_low_lr on the same problems: seed 1: 0 gained / 0 lost") in line
     assert "float32_low_lr 0.900: vs bf16_low_lr on the same problems: seed 1: 3 gained / 0 lost" in line
     assert "bf16_low_lr 0.600:" not in line  # the probe's first reference is not compared with itself
+    gate = line.split("groupwise32_gate_low_lr 1.000: ")[1]
+    assert gate.startswith("vs bf16_low_lr on the same problems: seed 1: 4 gained / 0 lost")
+    assert gate.endswith("vs groupwise32_low_lr on the same problems: seed 1: 1 gained / 0 lost, p = 1 (groupwise32_low_lr 0.900).")
+    assert line.count("vs groupwise32_low_lr on") == 1  # the plain arm is no remedy of itself
     del runs["bf16_low_lr"], runs["float32_low_lr"]
     assert not [line for line in verdict_lines(arm_figures(runs), "bf16", ("float32",)) if line.startswith("- **Probe")]
