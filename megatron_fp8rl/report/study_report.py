@@ -335,21 +335,21 @@ def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references:
     per probe."""
     lines = []
     for probe in sorted({name[len(ref) + 1:] for ref in references for name in summaries if name.startswith(f"{ref}_")}):
-        family = [name for name in summaries if name.endswith(f"_{probe}") and name[: -len(probe) - 1] in summaries]
-        refs = [f"{ref}_{probe}" for ref in references if f"{ref}_{probe}" in family]
-        members = [name for name in family if name != refs[0]]
-        if not members:
-            continue
-        def against(name: str) -> list[str]:
-            arm = name[: -len(probe) - 1]
-            plain = [f"{base}_{probe}" for base in summaries if arm.startswith(f"{base}_") and f"{base}_{probe}" in family]
-            return [ref for ref in refs if ref != name] + plain
-
-        parts = [f"{name} {_fmt(summaries[name]['accuracy'])}: "
-                 + "; ".join(f"{_paired_text(arms, other, name)} ({other} {_fmt(summaries[other]['accuracy'])})"
-                             for other in against(name)) for name in members]
-        lines.append(f"- **Probe `_{probe}`, against its own references on the same seeds** (a probe changes the "
-                     "job: it says why, not whether the original job's target is met): " + "; ".join(parts) + ".")
+        suffix = f"_{probe}"
+        refs = [ref + suffix for ref in references if ref + suffix in summaries]
+        family = {name[: -len(suffix)]: name for name in summaries
+                  if name.endswith(suffix) and name[: -len(suffix)] in summaries}
+        parts = []
+        for arm, name in family.items():
+            if name == refs[0]:
+                continue
+            plain = [family[base] for base in family if arm.startswith(f"{base}_")]
+            parts.append(f"{name} {_fmt(summaries[name]['accuracy'])}: " + "; ".join(
+                f"{_paired_text(arms, other, name)} ({other} {_fmt(summaries[other]['accuracy'])})"
+                for other in [ref for ref in refs if ref != name] + plain))
+        if parts:
+            lines.append(f"- **Probe `{suffix}`, against its own references on the same seeds** (a probe changes the "
+                         "job: it says why, not whether the original job's target is met): " + "; ".join(parts) + ".")
     return lines
 
 

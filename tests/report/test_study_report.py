@@ -262,5 +262,8 @@ def test_a_probe_is_compared_with_the_references_that_have_the_same_change(tmp_p
     assert gate.startswith("vs bf16_low_lr on the same problems: seed 1: 4 gained / 0 lost")
     assert gate.endswith("vs groupwise32_low_lr on the same problems: seed 1: 1 gained / 0 lost, p = 1 (groupwise32_low_lr 0.900).")
     assert line.count("vs groupwise32_low_lr on") == 1  # the plain arm is no remedy of itself
+    del runs["bf16"], runs["float32"]  # a partial report (`--settings`): the references' own arms absent
+    line = next(line for line in verdict_lines(arm_figures(runs), "bf16", ("float32",)) if line.startswith("- **Probe"))
+    assert "groupwise32_low_lr 0.900: vs bf16_low_lr on the same problems: seed 1: 3 gained / 0 lost" in line
     del runs["bf16_low_lr"], runs["float32_low_lr"]
     assert not [line for line in verdict_lines(arm_figures(runs), "bf16", ("float32",)) if line.startswith("- **Probe")]
