@@ -21,6 +21,8 @@ normalization gains frozen (train.norm_lr_mult=0; bf16's rounding hides their ea
 `float32_frozen_norms` and `groupwise32_frozen_norms`, 2 seeds, and one with a third of the learning
 rate, `float32_low_lr` (bf16's rounding hides most early updates; is the lr the cause?), and at that
 lr `bf16_low_lr`, `groupwise32_low_lr` and `groupwise32_gate_low_lr` (does FP8 then match bf16?), 2 seeds.
+Harsh also has `groupwise32_bf16`, a remedy: the default FP8 recipe on a bf16 mixed-precision trainer
+(FP8 GEMMs, bf16 elsewhere; aligned rollouts served in bf16), 2 seeds.
 
 The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
 trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (old and current
@@ -31,7 +33,7 @@ tensorwise, the arm the paper finds worst. Every arm runs the shadow forwards ev
 plain arms with calibration.mode=monitor (measured, bounds unchanged), the `_cc` arms with shadow
 (applied), so the paper's diagnostic comes from every arm; the bf16 arms' shadow is their float32
 forward (models/shadow.py), so their diagnostic is what bf16 itself over-clips. The FP8 arms keep
-float32 outside the FP8 GEMMs (model.dtype): aligned rollouts are bit-identical only there
+float32 outside the FP8 GEMMs (model.dtype; harsh's groupwise32_bf16 excepted): aligned rollouts are bit-identical only there
 (README), and the shadow is then a float32 forward.
 """
 from __future__ import annotations
@@ -129,6 +131,17 @@ every update? float32 at lr 1e-5 (the moderate job's), nothing else changed. It 
 0.484, seeds 1-2), so the last three ask whether FP8 does too at that lr, against a bf16 reference
 at the same lr: `bf16_low_lr`, `groupwise32_low_lr` (the default) and `groupwise32_gate_low_lr`. A
 probe changes the job, so it answers why, not the issue's harsh target (which is at lr 3e-5)."""
+BF16_OUTSIDE_GEMMS = Setting("groupwise32_bf16", (*BF16, *DEFAULT, *MONITOR))
+"""Harsh only, a remedy aimed at what the probes found (issue 44's "quantizing the rollout's FP8 from the
+bf16-rounded weights"): the default FP8 recipe on a Megatron bf16 mixed-precision trainer (model.dtype=
+bfloat16: FP8 GEMMs, bf16 everywhere else, the usual Transformer Engine setup), aligned rollouts served
+in bf16. bf16 survives lr 3e-5 where float32 and the float32-outside-GEMM FP8 arms fall, and the low-lr
+probes say it is because bf16's forward sees only part of each update; here the FP8 linears quantize
+the bf16-rounded weights, so FP8's forward sees what bf16's does. The price: aligned rollouts are not
+bit-identical in bf16 (SGLang's bf16 attention and norms differ from the trainer's; README), and the
+monitor's shadow is the bf16 forward (the FP8 linears computed in their weights' dtype), so its
+diagnostic measures FP8 against bf16, not float32. It changes the precision, not the job: it answers the
+harsh target at lr 3e-5."""
 
 # The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
 # sampling temperature, two mini-batches per step (so the clip bounds act on a moved policy), and
@@ -174,7 +187,7 @@ class Regime:
 
 REGIMES = {
     "harsh": Regime("harsh", COMMON, FULL, "results/stability", (*CORE_ARMS, *V2_EXTRA_ARMS, *PROBE_ARMS,
-                                                                     FLOAT32_ARM),
+                                                                     BF16_OUTSIDE_GEMMS, FLOAT32_ARM),
                     "Harsh regime (study v2's job): 2 prompts x 8 samples at temperature 0.7, 16 tokens, "
                     "lr 3e-5, 2 mini-batches, 30 steps, 64 held-out problems."),
     **{f"moderate{m}": Regime(f"moderate{m}", MODERATE_COMMON, {**MODERATE, "train.mini_batches": m},
@@ -273,7 +286,7 @@ def _kill_started(marker: str, seen: dict[int, float]) -> None:
 
 
 PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
-            "float32 outside the FP8 GEMMs, the bf16 arms run Megatron bf16 mixed precision and bf16 "
+            "float32 outside the FP8 GEMMs (groupwise32_bf16, where it runs, bf16), the bf16 arms run Megatron bf16 mixed precision and bf16 "
             "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). bf16, groupwise32 (the default: 1x32 "
             "groups, aligned rollouts), its CC arm, groupwise32_cc_noise (CC with the noise rule) and "
             "groupwise32_gate (the clip decided on the shadow's ratio) run 3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1{probes}; float32 (no FP8, no bf16: float32 Megatron "
@@ -284,7 +297,9 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
 PROBES_NOTE = (", float32_frozen_norms and groupwise32_frozen_norms (the normalization gains frozen, "
                "train.norm_lr_mult=0; bf16's rounding hides their early updates) and float32_low_lr "
                "(float32 at lr 1e-5: is harsh's lr the cause?), and bf16_low_lr, groupwise32_low_lr and "
-               "groupwise32_gate_low_lr (does FP8 match bf16 at lr 1e-5?) 2")
+               "groupwise32_gate_low_lr (does FP8 match bf16 at lr 1e-5?) 2, and groupwise32_bf16 (the default FP8 "
+               "recipe on a bf16 trainer: FP8 GEMMs, bf16 elsewhere, aligned rollouts served in bf16; its shadow "
+               "is the bf16 forward) 2")
 
 RECORDING_KEYS = ("algorithm.calibration.record",)
 """Overrides that change what a run writes, not how it trains: a finished run made without them is

@@ -25,7 +25,7 @@ def test_the_issue_arms():
                              "blockwise", "tensorwise_cc", "blockwise_cc", "bf16_fp8block_tis", "aligned",
                              "aligned_cc", "tensorwise_noise", "float32_frozen_norms",
                              "groupwise32_frozen_norms", "float32_low_lr", "bf16_low_lr", "groupwise32_low_lr",
-                             "groupwise32_gate_low_lr", "float32"]
+                             "groupwise32_gate_low_lr", "groupwise32_bf16", "float32"]
     bf16 = by_name["bf16"]
     float32 = by_name["float32"]  # the second reference: no FP8, no bf16, no shadow to compare with
     assert (float32.model.dtype, float32.rollout.dtype, float32.model.fp8, float32.rollout.fp8) == ("float32",) * 2 + ("none",) * 2
@@ -58,6 +58,10 @@ def test_the_issue_arms():
         assert (low_lr.train.lr, by_name[reference].train.lr) == (1e-5, 3e-5)
         low_lr.train.lr = by_name[reference].train.lr
         assert low_lr == by_name[reference]
+    on_bf16 = by_name["groupwise32_bf16"]  # the default FP8 recipe on a bf16 trainer, nothing else changed
+    assert (on_bf16.model.dtype, on_bf16.rollout.dtype) == ("bfloat16", "bfloat16")
+    on_bf16.model.dtype = on_bf16.rollout.dtype = "float32"
+    assert on_bf16 == by_name["groupwise32"]
     noise = by_name["tensorwise_noise"]
     assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
     assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm
