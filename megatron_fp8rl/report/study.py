@@ -14,15 +14,15 @@ finished runs reused); `moderate2` / `moderate4` the issue's moderate job (8 x 8
 bound follows the noise rule, algorithm.calibration.rule=noise, so it calibrates where the
 α-quantile falls below any sane floor) and `groupwise32_gate` (the configured bounds with each
 token's clip decision taken on the high-precision shadow's ratio, algorithm.calibration.mode=gate,
-so FP8 over-clips nothing by construction, for a shadow forward of every mini-batch); an arm trains under the first `seeds` of --seeds (3 for
+so FP8 over-clips nothing by construction, for a shadow forward of every mini-batch), and a third
+remedy, `groupwise32_bf16` (the default FP8 recipe on a bf16 mixed-precision trainer: FP8 GEMMs, bf16
+elsewhere, aligned rollouts served in bf16); an arm trains under the first `seeds` of --seeds (3 for
 bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms), and
 `float32` (no FP8, no bf16) is the second reference, 3 seeds. Harsh adds two probes with the
 normalization gains frozen (train.norm_lr_mult=0; bf16's rounding hides their early updates):
 `float32_frozen_norms` and `groupwise32_frozen_norms`, 2 seeds, and one with a third of the learning
 rate, `float32_low_lr` (bf16's rounding hides most early updates; is the lr the cause?), and at that
 lr `bf16_low_lr`, `groupwise32_low_lr` and `groupwise32_gate_low_lr` (does FP8 then match bf16?), 2 seeds.
-Harsh also has `groupwise32_bf16`, a remedy: the default FP8 recipe on a bf16 mixed-precision trainer
-(FP8 GEMMs, bf16 elsewhere; aligned rollouts served in bf16), 2 seeds.
 
 The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
 trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (old and current
@@ -33,7 +33,7 @@ tensorwise, the arm the paper finds worst. Every arm runs the shadow forwards ev
 plain arms with calibration.mode=monitor (measured, bounds unchanged), the `_cc` arms with shadow
 (applied), so the paper's diagnostic comes from every arm; the bf16 arms' shadow is their float32
 forward (models/shadow.py), so their diagnostic is what bf16 itself over-clips. The FP8 arms keep
-float32 outside the FP8 GEMMs (model.dtype; harsh's groupwise32_bf16 excepted): aligned rollouts are bit-identical only there
+float32 outside the FP8 GEMMs (model.dtype; groupwise32_bf16 excepted): aligned rollouts are bit-identical only there
 (README), and the shadow is then a float32 forward.
 """
 from __future__ import annotations
@@ -87,12 +87,24 @@ FLOAT32_ARM = Setting(HIGH_PRECISION, ("model.dtype=float32", "rollout.dtype=flo
 """No shadow forward (calibration off): a float32 trainer has no higher precision to compare with, so
 this arm has no over-clip diagnostic."""
 BF16_ARM = Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none", *MONITOR), seeds=3)
+BF16_OUTSIDE_GEMMS = Setting("groupwise32_bf16", (*BF16, *DEFAULT, *MONITOR), seeds=3)
+"""A remedy aimed at what harsh's probes found (issue 44's "quantizing the rollout's FP8 from the
+bf16-rounded weights"): the default FP8 recipe on a Megatron bf16 mixed-precision trainer (model.dtype=
+bfloat16: FP8 GEMMs, bf16 everywhere else, the usual Transformer Engine setup), aligned rollouts served
+in bf16. bf16 survives lr 3e-5 where float32 and the float32-outside-GEMM FP8 arms fall, and the low-lr
+probes say it is because bf16's forward sees only part of each update; here the FP8 linears quantize
+the bf16-rounded weights, so FP8's forward sees what bf16's does. The price: aligned rollouts are not
+bit-identical in bf16 (SGLang's bf16 attention and norms differ from the trainer's; README), and the
+monitor's shadow is the bf16 forward (the FP8 linears computed in their weights' dtype), so its
+diagnostic measures FP8 against bf16, not float32. It changes the precision, not the job: it answers the
+harsh target at lr 3e-5, and the moderate runs say what it costs where plain FP8 already matches bf16."""
 CORE_ARMS = (
     BF16_ARM,
     Setting("groupwise32", (*DEFAULT, *MONITOR), seeds=3),
     Setting("groupwise32_cc", (*DEFAULT, *CALIBRATED), seeds=3),
     Setting("groupwise32_cc_noise", (*DEFAULT, *CALIBRATED, "algorithm.calibration.rule=noise"), seeds=3),
     Setting("groupwise32_gate", (*DEFAULT, *GATED), seeds=3),
+    BF16_OUTSIDE_GEMMS,
     *(Setting(name, (*UNIFIED[name], *MONITOR)) for name in ("tensorwise", "blockwise")),
     *(Setting(f"{name}_cc", (*UNIFIED[name], *CALIBRATED)) for name in ("tensorwise", "blockwise")),
 )
@@ -131,17 +143,6 @@ every update? float32 at lr 1e-5 (the moderate job's), nothing else changed. It 
 0.484, seeds 1-2), so the last three ask whether FP8 does too at that lr, against a bf16 reference
 at the same lr: `bf16_low_lr`, `groupwise32_low_lr` (the default) and `groupwise32_gate_low_lr`. A
 probe changes the job, so it answers why, not the issue's harsh target (which is at lr 3e-5)."""
-BF16_OUTSIDE_GEMMS = Setting("groupwise32_bf16", (*BF16, *DEFAULT, *MONITOR))
-"""Harsh only, a remedy aimed at what the probes found (issue 44's "quantizing the rollout's FP8 from the
-bf16-rounded weights"): the default FP8 recipe on a Megatron bf16 mixed-precision trainer (model.dtype=
-bfloat16: FP8 GEMMs, bf16 everywhere else, the usual Transformer Engine setup), aligned rollouts served
-in bf16. bf16 survives lr 3e-5 where float32 and the float32-outside-GEMM FP8 arms fall, and the low-lr
-probes say it is because bf16's forward sees only part of each update; here the FP8 linears quantize
-the bf16-rounded weights, so FP8's forward sees what bf16's does. The price: aligned rollouts are not
-bit-identical in bf16 (SGLang's bf16 attention and norms differ from the trainer's; README), and the
-monitor's shadow is the bf16 forward (the FP8 linears computed in their weights' dtype), so its
-diagnostic measures FP8 against bf16, not float32. It changes the precision, not the job: it answers the
-harsh target at lr 3e-5."""
 
 # The job every arm runs: the CPU demo's task (2-digit addition, 1-digit multiplication) and
 # sampling temperature, two mini-batches per step (so the clip bounds act on a moved policy), and
@@ -187,7 +188,7 @@ class Regime:
 
 REGIMES = {
     "harsh": Regime("harsh", COMMON, FULL, "results/stability", (*CORE_ARMS, *V2_EXTRA_ARMS, *PROBE_ARMS,
-                                                                     BF16_OUTSIDE_GEMMS, FLOAT32_ARM),
+                                                                     FLOAT32_ARM),
                     "Harsh regime (study v2's job): 2 prompts x 8 samples at temperature 0.7, 16 tokens, "
                     "lr 3e-5, 2 mini-batches, 30 steps, 64 held-out problems."),
     **{f"moderate{m}": Regime(f"moderate{m}", MODERATE_COMMON, {**MODERATE, "train.mini_batches": m},
@@ -286,10 +287,11 @@ def _kill_started(marker: str, seen: dict[int, float]) -> None:
 
 
 PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
-            "float32 outside the FP8 GEMMs (groupwise32_bf16, where it runs, bf16), the bf16 arms run Megatron bf16 mixed precision and bf16 "
+            "float32 outside the FP8 GEMMs (groupwise32_bf16: bf16), the bf16 arms run Megatron bf16 mixed precision and bf16 "
             "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). bf16, groupwise32 (the default: 1x32 "
             "groups, aligned rollouts), its CC arm, groupwise32_cc_noise (CC with the noise rule) and "
-            "groupwise32_gate (the clip decided on the shadow's ratio) run 3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1{probes}; float32 (no FP8, no bf16: float32 Megatron "
+            "groupwise32_gate (the clip decided on the shadow's ratio) and groupwise32_bf16 (the default FP8 recipe on a "
+            "bf16 trainer, aligned rollouts served in bf16; its shadow is the bf16 forward) run 3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1{probes}; float32 (no FP8, no bf16: float32 Megatron "
             "and SGLang, no shadow) runs 3 seeds as the second reference every arm is compared with. Command: `megatron-fp8rl stability "
             "--regime {regime}` (bench/stability.py); per-run plots in runs/.")
 
@@ -297,9 +299,7 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
 PROBES_NOTE = (", float32_frozen_norms and groupwise32_frozen_norms (the normalization gains frozen, "
                "train.norm_lr_mult=0; bf16's rounding hides their early updates) and float32_low_lr "
                "(float32 at lr 1e-5: is harsh's lr the cause?), and bf16_low_lr, groupwise32_low_lr and "
-               "groupwise32_gate_low_lr (does FP8 match bf16 at lr 1e-5?) 2, and groupwise32_bf16 (the default FP8 "
-               "recipe on a bf16 trainer: FP8 GEMMs, bf16 elsewhere, aligned rollouts served in bf16; its shadow "
-               "is the bf16 forward) 2")
+               "groupwise32_gate_low_lr (does FP8 match bf16 at lr 1e-5?) 2")
 
 RECORDING_KEYS = ("algorithm.calibration.record",)
 """Overrides that change what a run writes, not how it trains: a finished run made without them is

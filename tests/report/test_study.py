@@ -21,11 +21,11 @@ def _config(overrides, common=COMMON):
 
 def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
-    assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "groupwise32_gate", "tensorwise",
+    assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "groupwise32_gate", "groupwise32_bf16", "tensorwise",
                              "blockwise", "tensorwise_cc", "blockwise_cc", "bf16_fp8block_tis", "aligned",
                              "aligned_cc", "tensorwise_noise", "float32_frozen_norms",
                              "groupwise32_frozen_norms", "float32_low_lr", "bf16_low_lr", "groupwise32_low_lr",
-                             "groupwise32_gate_low_lr", "groupwise32_bf16", "float32"]
+                             "groupwise32_gate_low_lr", "float32"]
     bf16 = by_name["bf16"]
     float32 = by_name["float32"]  # the second reference: no FP8, no bf16, no shadow to compare with
     assert (float32.model.dtype, float32.rollout.dtype, float32.model.fp8, float32.rollout.fp8) == ("float32",) * 2 + ("none",) * 2
