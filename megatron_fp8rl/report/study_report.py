@@ -264,6 +264,10 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
         base, _, gate = name.rpartition("_gate")
         if base and not gate and base in summaries:
             lines.append(_gate_line(arms, summaries, base, name))
+    for name in sorted(summaries):
+        base, _, rest = name.rpartition(BF16_SUFFIX)
+        if base and not rest and base in summaries:
+            lines.append(_on_bf16_line(arms, summaries, base, name))
     lines += _probe_lines(arms, summaries, (reference, *also_against))
     for against in (reference, *also_against):
         if (match := _match_line(arms, summaries, against)) is not None:
@@ -325,6 +329,23 @@ def _gate_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, na
             f"{_fmt(plain['overclip'], percent=True)} -> {_fmt(gated['overclip'], percent=True)} (its FP8 ratio "
             f"would have over-clipped {_fmt(gated['overclip_fp8'], percent=True)}); accuracy {_fmt(plain['accuracy'])} -> "
             f"{_fmt(gated['accuracy'])}; " + _paired_text(arms, base, name) + against_cc + ".")
+
+
+BF16_SUFFIX = "_bf16"
+"""`<recipe>_bf16`: the FP8 recipe of arm `<recipe>` on a bf16 mixed-precision trainer (FP8 GEMMs, bf16
+elsewhere), compared with `<recipe>` (float32 outside its GEMMs) on the same seeds."""
+
+
+def _on_bf16_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
+    """The FP8 recipe on a bf16 trainer against the same recipe on a float32 one, same seeds: the
+    diagnostic (against a bf16 shadow there, a float32 one here), the length limit, accuracy and the
+    paired test."""
+    on_bf16, plain = summaries[name], summaries[base]
+    return (f"- **{name} (the same FP8 recipe on a bf16 trainer: FP8 GEMMs, bf16 elsewhere) against {base} "
+            f"(float32 outside its GEMMs), same seeds**: diagnostic {_fmt(plain['overclip'], percent=True)} -> "
+            f"{_fmt(on_bf16['overclip'], percent=True)} (its shadow is the bf16 forward); cut at the length limit "
+            f"{_fmt(plain['truncated'], percent=True)} -> {_fmt(on_bf16['truncated'], percent=True)}; accuracy "
+            f"{_fmt(plain['accuracy'])} -> {_fmt(on_bf16['accuracy'])}; " + _paired_text(arms, base, name) + ".")
 
 
 def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references: tuple[str, ...]) -> list[str]:

@@ -240,6 +240,21 @@ def test_the_gate_arm_is_compared_with_its_plain_and_cc_arms(tmp_path):
     assert "against groupwise32_cc (accuracy 0.400, diagnostic 2.0%) vs groupwise32_cc on the same problems: seed 1: 4 gained / 0 lost" in line
 
 
+def test_the_recipe_on_a_bf16_trainer_is_compared_with_the_recipe_on_float32(tmp_path):
+    """A `<recipe>_bf16` arm (the FP8 recipe on a bf16 trainer) gets a verdict line against
+    `<recipe>` on the same seeds: diagnostic, length limit, accuracy, paired test; `bf16` itself and
+    a `bf16_*` probe arm are no such arm."""
+    plain_eval, better = [1] * 2 + [0] * 8, [1] * 7 + [0] * 3
+    runs = {"bf16": {"1": _run(tmp_path / "b1", _scalars(), {0: [0] * 10, 8: better})},
+            "bf16_low_lr": {"1": _run(tmp_path / "b2", _scalars(), {0: [0] * 10, 8: better})},
+            "groupwise32": {"1": _run(tmp_path / "p1", _scalars([0.05] * 8, truncated=0.9), {8: plain_eval})},
+            "groupwise32_bf16": {"1": _run(tmp_path / "f1", _scalars([0.03] * 8, truncated=0.1), {8: better})}}
+    lines = [x for x in verdict_lines(arm_figures(runs), "bf16") if "on a bf16 trainer" in x]
+    assert len(lines) == 1 and lines[0].startswith("- **groupwise32_bf16 (the same FP8 recipe on a bf16 trainer")
+    assert ("diagnostic 5.0% -> 3.0% (its shadow is the bf16 forward); cut at the length limit 90.0% -> 10.0%; "
+            "accuracy 0.200 -> 0.700; vs groupwise32 on the same problems: seed 1: 5 gained / 0 lost") in lines[0]
+
+
 def test_a_probe_is_compared_with_the_references_that_have_the_same_change(tmp_path):
     """Arms that share a change with a reference arm (`bf16_low_lr`, `float32_low_lr`,
     `groupwise32_low_lr`) form a probe: one verdict line compares each of its arms with the probe's
