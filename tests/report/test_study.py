@@ -22,7 +22,7 @@ def _config(overrides, common=COMMON):
 def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
     assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "groupwise32_gate", "groupwise32_bf16", "tensorwise",
-                             "blockwise", "tensorwise_cc", "blockwise_cc", "bf16_fp8block_tis", "aligned",
+                             "blockwise", "tensorwise_cc", "blockwise_cc", "groupwise32_bf16_gate", "bf16_fp8block_tis", "aligned",
                              "aligned_cc", "tensorwise_noise", "float32_frozen_norms",
                              "groupwise32_frozen_norms", "float32_low_lr", "bf16_low_lr", "groupwise32_low_lr",
                              "groupwise32_gate_low_lr", "float32"]
@@ -62,6 +62,10 @@ def test_the_issue_arms():
     assert (on_bf16.model.dtype, on_bf16.rollout.dtype) == ("bfloat16", "bfloat16")
     on_bf16.model.dtype = on_bf16.rollout.dtype = "float32"
     assert on_bf16 == by_name["groupwise32"]
+    both = by_name["groupwise32_bf16_gate"]  # the gate arm on a bf16 trainer, nothing else changed
+    assert (both.model.dtype, both.rollout.dtype) == ("bfloat16", "bfloat16")
+    both.model.dtype = both.rollout.dtype = "float32"
+    assert both == by_name["groupwise32_gate"]
     noise = by_name["tensorwise_noise"]
     assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
     assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm
