@@ -296,7 +296,7 @@ def _kill_started(marker: str, seen: dict[int, float]) -> None:
 PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
             "float32 outside the FP8 GEMMs (groupwise32_bf16: bf16), the bf16 arms run Megatron bf16 mixed precision and bf16 "
             "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). bf16, groupwise32 (the default: 1x32 "
-            "groups, aligned rollouts), its CC arm, groupwise32_cc_noise (CC with the noise rule) and "
+            "groups, aligned rollouts), its CC arm, groupwise32_cc_noise (CC with the noise rule), "
             "groupwise32_gate (the clip decided on the shadow's ratio) and groupwise32_bf16 (the default FP8 recipe on a "
             "bf16 trainer, aligned rollouts served in bf16; its shadow is the bf16 forward) run 3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1{probes}; float32 (no FP8, no bf16: float32 Megatron "
             "and SGLang, no shadow) runs 3 seeds as the second reference every arm is compared with. Command: `megatron-fp8rl stability "
