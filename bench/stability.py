@@ -17,7 +17,8 @@ aligned rollouts), tensorwise, blockwise (unified FP8, the diagnostic measured b
 algorithm.calibration.mode=monitor), the same with Calibrated Clipping (_cc), and
 three remedies: groupwise32_cc_noise (CC with the noise rule), groupwise32_gate (the clip decided on
 the shadow's ratio) and groupwise32_bf16 (the default FP8 recipe on a bf16 trainer); in harsh also
-v2's bf16_fp8block_tis, aligned, aligned_cc, tensorwise_noise, the probes and groupwise32_bf16_gate. Seeds: 3 for bf16 and the groupwise32 arms, 2 for the others.
+v2's bf16_fp8block_tis, aligned, aligned_cc, tensorwise_noise, the probes and groupwise32_bf16_gate. Seeds: 3 for bf16 and the groupwise32 arms but
+groupwise32_bf16_gate, 2 for the others.
 Output: <study-dir>/<arm>/seed<k>/ (a run directory each, train.log), <study-dir>/timings.json,
 <study-dir>/report/report.md with curves.png and accuracy.png, and <study-dir>/report/runs/ (per-run
 plots of each arm's first seed). A run that finished earlier with the same settings (its
