@@ -125,8 +125,8 @@ BF16_GATE = Setting("groupwise32_bf16_gate", (*BF16, *DEFAULT, *GATED))
 """Harsh only, 2 seeds: the two remedies together, groupwise32_bf16's bf16 trainer with the gate's clip
 decisions on the shadow's ratio (here the bf16 forward). In harsh groupwise32_bf16 fell far less than
 the float32-outside FP8 arms (0.297 [0.281, 0.547] against groupwise32's 0.109, +60/-4 on the same
-seeds) yet two of its three seeds ran to the length limit after learning, with 3.6-5.7% of A<0 tokens
-over-clipped against its bf16 shadow; the gate removes that over-clipping by construction."""
+seeds) yet two of its three seeds ended at the length limit (one after learning), with 3.6-5.7% of A<0
+tokens over-clipped against its bf16 shadow; the gate removes that over-clipping by construction."""
 PROBE_ARMS = (
     Setting("float32_frozen_norms", (*FLOAT32_ARM.overrides, *FROZEN_NORMS)),
     Setting("groupwise32_frozen_norms", (*DEFAULT, *MONITOR, *FROZEN_NORMS)),
