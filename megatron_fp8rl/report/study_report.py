@@ -260,14 +260,11 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
                          f"accuracy {_fmt(plain_cc['accuracy'])} -> {_fmt(remedy['accuracy'])}; "
                          + _paired_text(arms, f"{base}_cc", name) + _limits_text(remedy)
                          + f" (plain CC{_limits_text(plain_cc)[1:] or ': no limit flags logged'}).")
-    for name in sorted(summaries):
-        base, _, gate = name.rpartition("_gate")
-        if base and not gate and base in summaries:
-            lines.append(_gate_line(arms, summaries, base, name))
-    for name in sorted(summaries):
-        base, _, rest = name.rpartition(BF16_SUFFIX)
-        if base and not rest and base in summaries:
-            lines.append(_on_bf16_line(arms, summaries, base, name))
+    for suffix, remedy_line in (("_gate", _gate_line), (BF16_SUFFIX, _on_bf16_line)):
+        for name in sorted(summaries):  # `<recipe><suffix>` against `<recipe>`, same seeds
+            base, _, tail = name.rpartition(suffix)
+            if base and not tail and base in summaries:
+                lines.append(remedy_line(arms, summaries, base, name))
     lines += _probe_lines(arms, summaries, (reference, *also_against))
     for against in (reference, *also_against):
         if (match := _match_line(arms, summaries, against)) is not None:
