@@ -149,6 +149,7 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
         "accuracy_start": float(accuracy[1][0]) if accuracy else math.nan,
         "accuracy": float(accuracy[1][-1]) if accuracy else math.nan,
         "train_forward_delta_max": _reduce(run, "noise/train_forward_abs_delta_max", np.max),
+        "mismatch": _reduce(run, "train/mismatch_abs_logprob_diff_mean", np.mean),
     }
     values["overclip_pooled"], values["neg_values"] = _pooled(run, "clip/neg_overclip_before", "clip/neg_values")
     values["entropy_drift"] = values["entropy_last"] / values["entropy_first"] if entropy else math.nan
@@ -260,7 +261,7 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
                          f"accuracy {_fmt(plain_cc['accuracy'])} -> {_fmt(remedy['accuracy'])}; "
                          + _paired_text(arms, f"{base}_cc", name) + _limits_text(remedy)
                          + f" (plain CC{_limits_text(plain_cc)[1:] or ': no limit flags logged'}).")
-    for suffix, remedy_line in (("_gate", _gate_line), (BF16_SUFFIX, _on_bf16_line)):
+    for suffix, remedy_line in (("_gate", _gate_line), (BF16_SUFFIX, _on_bf16_line), (TIS_SUFFIX, _tis_line)):
         for name in sorted(summaries):  # `<recipe><suffix>` against `<recipe>`, same seeds
             base, _, tail = name.rpartition(suffix)
             if base and not tail and base in summaries:
@@ -340,9 +341,26 @@ def _on_bf16_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str,
     on_bf16, plain = summaries[name], summaries[base]
     return (f"- **{name} (the same FP8 recipe on a bf16 trainer: FP8 GEMMs, bf16 elsewhere) against {base} "
             f"(float32 outside its GEMMs), same seeds**: diagnostic {_fmt(plain['overclip'], percent=True)} -> "
-            f"{_fmt(on_bf16['overclip'], percent=True)} (its shadow is the bf16 forward); cut at the length limit "
-            f"{_fmt(plain['truncated'], percent=True)} -> {_fmt(on_bf16['truncated'], percent=True)}; accuracy "
-            f"{_fmt(plain['accuracy'])} -> {_fmt(on_bf16['accuracy'])}; " + _paired_text(arms, base, name) + ".")
+            f"{_fmt(on_bf16['overclip'], percent=True)} (its shadow is the bf16 forward); rollout/trainer mismatch "
+            f"{_fmt(plain['mismatch'], digits=4)} -> {_fmt(on_bf16['mismatch'], digits=4)} (mean |Δ log p| a token); "
+            f"cut at the length limit {_fmt(plain['truncated'], percent=True)} -> {_fmt(on_bf16['truncated'], percent=True)}; "
+            f"accuracy {_fmt(plain['accuracy'])} -> {_fmt(on_bf16['accuracy'])}; " + _paired_text(arms, base, name) + ".")
+
+
+TIS_SUFFIX = "_tis"
+"""`<arm>_tis`: arm `<arm>` with truncated importance sampling against the rollout/trainer mismatch,
+compared with `<arm>` on the same seeds (`bf16_fp8block_tis` has no `bf16_fp8block` arm: no line)."""
+
+
+def _tis_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
+    """An arm with TIS against the same arm without it, same seeds: the mismatch TIS corrects, the
+    length limit, accuracy and the paired test."""
+    tis, plain = summaries[name], summaries[base]
+    return (f"- **{name} ({base} with TIS against the rollout/trainer mismatch) against {base}, same seeds**: "
+            f"mismatch {_fmt(plain['mismatch'], digits=4)} -> {_fmt(tis['mismatch'], digits=4)} (mean |Δ log p| a "
+            f"token); cut at the length limit {_fmt(plain['truncated'], percent=True)} -> "
+            f"{_fmt(tis['truncated'], percent=True)}; accuracy {_fmt(plain['accuracy'])} -> {_fmt(tis['accuracy'])}; "
+            + _paired_text(arms, base, name) + ".")
 
 
 def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references: tuple[str, ...]) -> list[str]:

@@ -22,7 +22,8 @@ def _config(overrides, common=COMMON):
 def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
     assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "groupwise32_gate", "groupwise32_bf16", "tensorwise",
-                             "blockwise", "tensorwise_cc", "blockwise_cc", "groupwise32_bf16_gate", "bf16_fp8block_tis", "aligned",
+                             "blockwise", "tensorwise_cc", "blockwise_cc", "groupwise32_bf16_gate", "groupwise32_bf16_tis",
+                             "bf16_fp8block_tis", "aligned",
                              "aligned_cc", "tensorwise_noise", "float32_frozen_norms",
                              "groupwise32_frozen_norms", "float32_low_lr", "bf16_low_lr", "groupwise32_low_lr",
                              "groupwise32_gate_low_lr", "float32"]
@@ -66,6 +67,11 @@ def test_the_issue_arms():
     assert (both.model.dtype, both.rollout.dtype) == ("bfloat16", "bfloat16")
     both.model.dtype = both.rollout.dtype = "float32"
     assert both == by_name["groupwise32_gate"]
+    corrected = by_name["groupwise32_bf16_tis"]  # groupwise32_bf16 with TIS, nothing else changed
+    assert (corrected.algorithm.correction, on_bf16.algorithm.correction) == ("tis", "none")
+    corrected.algorithm.correction = "none"
+    corrected.model.dtype = corrected.rollout.dtype = "float32"
+    assert corrected == on_bf16
     noise = by_name["tensorwise_noise"]
     assert (noise.model.fp8, noise.algorithm.old_policy) == ("tensorwise", "bypass")
     assert not bf16.algorithm.dynamic_sampling  # same prompt stream in every arm

@@ -247,12 +247,38 @@ def test_the_recipe_on_a_bf16_trainer_is_compared_with_the_recipe_on_float32(tmp
     plain_eval, better = [1] * 2 + [0] * 8, [1] * 7 + [0] * 3
     runs = {"bf16": {"1": _run(tmp_path / "b1", _scalars(), {0: [0] * 10, 8: better})},
             "bf16_low_lr": {"1": _run(tmp_path / "b2", _scalars(), {0: [0] * 10, 8: better})},
-            "groupwise32": {"1": _run(tmp_path / "p1", _scalars([0.05] * 8, truncated=0.9), {8: plain_eval})},
-            "groupwise32_bf16": {"1": _run(tmp_path / "f1", _scalars([0.03] * 8, truncated=0.1), {8: better})}}
+            "groupwise32": {"1": _run(tmp_path / "p1", {**_scalars([0.05] * 8, truncated=0.9), **_mismatch(0.0)},
+                                      {8: plain_eval})},
+            "groupwise32_bf16": {"1": _run(tmp_path / "f1", {**_scalars([0.03] * 8, truncated=0.1), **_mismatch(0.04)},
+                                           {8: better})}}
     lines = [x for x in verdict_lines(arm_figures(runs), "bf16") if "on a bf16 trainer" in x]
     assert len(lines) == 1 and lines[0].startswith("- **groupwise32_bf16 (the same FP8 recipe on a bf16 trainer")
-    assert ("diagnostic 5.0% -> 3.0% (its shadow is the bf16 forward); cut at the length limit 90.0% -> 10.0%; "
-            "accuracy 0.200 -> 0.700; vs groupwise32 on the same problems: seed 1: 5 gained / 0 lost") in lines[0]
+    assert ("diagnostic 5.0% -> 3.0% (its shadow is the bf16 forward); rollout/trainer mismatch 0.0000 -> 0.0400 "
+            "(mean |Δ log p| a token); cut at the length limit 90.0% -> 10.0%; accuracy 0.200 -> 0.700; "
+            "vs groupwise32 on the same problems: seed 1: 5 gained / 0 lost") in lines[0]
+
+
+def _mismatch(value, steps=8):
+    return {"train/mismatch_abs_logprob_diff_mean": [value] * steps}
+
+
+def test_an_arm_with_tis_is_compared_with_the_same_arm_without_it(tmp_path):
+    """A `<arm>_tis` arm gets a verdict line against `<arm>` on the same seeds (the mismatch, the
+    length limit, accuracy, the paired test, pooled over seeds); `bf16_fp8block_tis`, whose base arm
+    the study does not run, gets none."""
+    plain_eval, better = [1] * 3 + [0] * 7, [1] * 6 + [0] * 4
+    runs = {"bf16": {s: _run(tmp_path / f"b{s}", _scalars(), {0: [0] * 10, 8: better}) for s in "12"},
+            "bf16_fp8block_tis": {"1": _run(tmp_path / "t1", _scalars(), {8: better})},
+            "groupwise32_bf16": {s: _run(tmp_path / f"p{s}", {**_scalars(truncated=0.5), **_mismatch(0.06)},
+                                         {8: plain_eval}) for s in "12"},
+            "groupwise32_bf16_tis": {s: _run(tmp_path / f"c{s}", {**_scalars(truncated=0.25), **_mismatch(0.02)},
+                                             {8: better}) for s in "12"}}
+    lines = [x for x in verdict_lines(arm_figures(runs), "bf16") if "with TIS against" in x]
+    assert len(lines) == 1 and lines[0].startswith("- **groupwise32_bf16_tis (groupwise32_bf16 with TIS against the "
+                                                   "rollout/trainer mismatch) against groupwise32_bf16, same seeds**")
+    assert ("mismatch 0.0600 -> 0.0200 (mean |Δ log p| a token); cut at the length limit 50.0% -> 25.0%; "
+            "accuracy 0.300 -> 0.600; vs groupwise32_bf16 on the same problems:") in lines[0]
+    assert "all seeds: 6 gained / 0 lost" in lines[0]
 
 
 def test_a_probe_is_compared_with_the_references_that_have_the_same_change(tmp_path):
