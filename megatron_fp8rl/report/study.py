@@ -133,8 +133,10 @@ rollout/trainer mismatch, nothing else changed. Two things still separate groupw
 harsh: FP8's quantization noise in the GEMMs, and a rollout that is no longer bit-identical to the trainer
 (aligned FP8 rollouts served in bf16): train/mismatch_abs_logprob_diff_mean averaged 0.037-0.064 a token
 per seed there against bf16's 0.015-0.017 (the mean over steps of each committed run's tensorboard log, the
-study report's mismatch figure). The harsh job runs no rollout correction, so this arm takes the mismatch out of the comparison:
-if it closes the gap to bf16, the mismatch was the cause; if not, the FP8 noise is."""
+study report's mismatch figure). The harsh job runs no rollout correction; this arm reweights each token
+by its capped rollout/trainer ratio. It reweights the mismatch, it does not remove it, so it can show
+that TIS repairs the gap, not that the mismatch is innocent (seeds 1-2: no different from
+groupwise32_bf16 on the same seeds, README)."""
 PROBE_ARMS = (
     Setting("float32_frozen_norms", (*FLOAT32_ARM.overrides, *FROZEN_NORMS)),
     Setting("groupwise32_frozen_norms", (*DEFAULT, *MONITOR, *FROZEN_NORMS)),
@@ -314,8 +316,8 @@ PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each ar
 PROBES_NOTE = (", float32_frozen_norms and groupwise32_frozen_norms (the normalization gains frozen, "
                "train.norm_lr_mult=0; bf16's rounding hides their early updates) and float32_low_lr "
                "(float32 at lr 1e-5: is harsh's lr the cause?), and bf16_low_lr, groupwise32_low_lr and "
-               "groupwise32_gate_low_lr (does FP8 match bf16 at lr 1e-5?) 2, groupwise32_bf16_gate (groupwise32_bf16 "
-               "with the gate) 2")
+               "groupwise32_gate_low_lr (does FP8 match bf16 at lr 1e-5?) 2, groupwise32_bf16_gate and "
+               "groupwise32_bf16_tis (groupwise32_bf16 with the gate, with TIS; bf16 outside their GEMMs too) 2")
 
 RECORDING_KEYS = ("algorithm.calibration.record",)
 """Overrides that change what a run writes, not how it trains: a finished run made without them is

@@ -353,7 +353,7 @@ compared with `<arm>` on the same seeds (`bf16_fp8block_tis` has no `bf16_fp8blo
 
 
 def _tis_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
-    """An arm with TIS against the same arm without it, same seeds: the mismatch TIS corrects, the
+    """An arm with TIS against the same arm without it, same seeds: the mismatch TIS reweights, the
     length limit, accuracy and the paired test."""
     tis, plain = summaries[name], summaries[base]
     return (f"- **{name} ({base} with TIS against the rollout/trainer mismatch) against {base}, same seeds**: "
