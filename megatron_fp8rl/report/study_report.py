@@ -341,10 +341,18 @@ def _on_bf16_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str,
     on_bf16, plain = summaries[name], summaries[base]
     return (f"- **{name} (the same FP8 recipe on a bf16 trainer: FP8 GEMMs, bf16 elsewhere) against {base} "
             f"(float32 outside its GEMMs), same seeds**: diagnostic {_fmt(plain['overclip'], percent=True)} -> "
-            f"{_fmt(on_bf16['overclip'], percent=True)} (its shadow is the bf16 forward); rollout/trainer mismatch "
-            f"{_fmt(plain['mismatch'], digits=4)} -> {_fmt(on_bf16['mismatch'], digits=4)} (mean |Δ log p| a token); "
-            f"cut at the length limit {_fmt(plain['truncated'], percent=True)} -> {_fmt(on_bf16['truncated'], percent=True)}; "
-            f"accuracy {_fmt(plain['accuracy'])} -> {_fmt(on_bf16['accuracy'])}; " + _paired_text(arms, base, name) + ".")
+            f"{_fmt(on_bf16['overclip'], percent=True)} (its shadow is the bf16 forward); rollout/trainer "
+            + _mismatch_to_paired_text(arms, summaries, base, name))
+
+
+def _mismatch_to_paired_text(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
+    """'mismatch A -> B (...); cut at the length limit ...; accuracy ...; <paired test>.': what changes
+    from arm `base` to arm `name` on the same seeds, the tail of the `_bf16` and `_tis` lines."""
+    plain, remedy = summaries[base], summaries[name]
+    return (f"mismatch {_fmt(plain['mismatch'], digits=4)} -> {_fmt(remedy['mismatch'], digits=4)} (mean |Δ log p| "
+            f"a token); cut at the length limit {_fmt(plain['truncated'], percent=True)} -> "
+            f"{_fmt(remedy['truncated'], percent=True)}; accuracy {_fmt(plain['accuracy'])} -> "
+            f"{_fmt(remedy['accuracy'])}; " + _paired_text(arms, base, name) + ".")
 
 
 TIS_SUFFIX = "_tis"
@@ -355,12 +363,8 @@ compared with `<arm>` on the same seeds (`bf16_fp8block_tis` has no `bf16_fp8blo
 def _tis_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
     """An arm with TIS against the same arm without it, same seeds: the mismatch TIS reweights, the
     length limit, accuracy and the paired test."""
-    tis, plain = summaries[name], summaries[base]
     return (f"- **{name} ({base} with TIS against the rollout/trainer mismatch) against {base}, same seeds**: "
-            f"mismatch {_fmt(plain['mismatch'], digits=4)} -> {_fmt(tis['mismatch'], digits=4)} (mean |Δ log p| a "
-            f"token); cut at the length limit {_fmt(plain['truncated'], percent=True)} -> "
-            f"{_fmt(tis['truncated'], percent=True)}; accuracy {_fmt(plain['accuracy'])} -> {_fmt(tis['accuracy'])}; "
-            + _paired_text(arms, base, name) + ".")
+            + _mismatch_to_paired_text(arms, summaries, base, name))
 
 
 def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references: tuple[str, ...]) -> list[str]:

@@ -33,6 +33,10 @@ def _scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8, reward=None
     return out
 
 
+def _mismatch(value, steps=8):
+    return {"train/mismatch_abs_logprob_diff_mean": [value] * steps}
+
+
 @pytest.fixture
 def study(tmp_path):
     ref_eval = [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]
@@ -256,10 +260,6 @@ def test_the_recipe_on_a_bf16_trainer_is_compared_with_the_recipe_on_float32(tmp
     assert ("diagnostic 5.0% -> 3.0% (its shadow is the bf16 forward); rollout/trainer mismatch 0.0000 -> 0.0400 "
             "(mean |Δ log p| a token); cut at the length limit 90.0% -> 10.0%; accuracy 0.200 -> 0.700; "
             "vs groupwise32 on the same problems: seed 1: 5 gained / 0 lost") in lines[0]
-
-
-def _mismatch(value, steps=8):
-    return {"train/mismatch_abs_logprob_diff_mean": [value] * steps}
 
 
 def test_an_arm_with_tis_is_compared_with_the_same_arm_without_it(tmp_path):
