@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -261,7 +262,8 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
                          f"accuracy {_fmt(plain_cc['accuracy'])} -> {_fmt(remedy['accuracy'])}; "
                          + _paired_text(arms, f"{base}_cc", name) + _limits_text(remedy)
                          + f" (plain CC{_limits_text(plain_cc)[1:] or ': no limit flags logged'}).")
-    for suffix, remedy_line in (("_gate", _gate_line), (BF16_SUFFIX, _on_bf16_line), (TIS_SUFFIX, _tis_line)):
+    for suffix, remedy_line in (("_gate", _gate_line), (BF16_SUFFIX, partial(_on_bf16_line, reference=reference)),
+                                (TIS_SUFFIX, partial(_tis_line, reference=reference))):
         for name in sorted(summaries):  # `<recipe><suffix>` against `<recipe>`, same seeds
             base, _, tail = name.rpartition(suffix)
             if base and not tail and base in summaries:
@@ -334,23 +336,28 @@ BF16_SUFFIX = "_bf16"
 elsewhere), compared with `<recipe>` (float32 outside its GEMMs) on the same seeds."""
 
 
-def _on_bf16_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
+def _on_bf16_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str, reference: str) -> str:
     """The FP8 recipe on a bf16 trainer against the same recipe on a float32 one, same seeds: the
-    diagnostic (against a bf16 shadow there, a float32 one here), the length limit, accuracy and the
-    paired test."""
+    diagnostic (against a bf16 shadow there, a float32 one here), the mismatch (with the reference's
+    beside it), the length limit, accuracy and the paired test."""
     on_bf16, plain = summaries[name], summaries[base]
     return (f"- **{name} (the same FP8 recipe on a bf16 trainer: FP8 GEMMs, bf16 elsewhere) against {base} "
             f"(float32 outside its GEMMs), same seeds**: diagnostic {_fmt(plain['overclip'], percent=True)} -> "
             f"{_fmt(on_bf16['overclip'], percent=True)} (its shadow is the bf16 forward); rollout/trainer "
-            + _mismatch_to_paired_text(arms, summaries, base, name))
+            + _mismatch_to_paired_text(arms, summaries, base, name, reference))
 
 
-def _mismatch_to_paired_text(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
-    """'mismatch A -> B (...); cut at the length limit ...; accuracy ...; <paired test>.': what changes
-    from arm `base` to arm `name` on the same seeds, the tail of the `_bf16` and `_tis` lines."""
+def _mismatch_to_paired_text(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str,
+                             reference: str) -> str:
+    """'mismatch A -> B (...; <reference> R); cut at the length limit ...; accuracy ...; <paired test>.':
+    what changes from arm `base` to arm `name` on the same seeds, with the reference's own mismatch as
+    the yardstick (bf16's rollouts are bf16 SGLang against a bf16 trainer, not bit-identical either);
+    the tail of the `_bf16` and `_tis` lines."""
     plain, remedy = summaries[base], summaries[name]
+    ref = summaries.get(reference)
+    yardstick = f"; {reference} {_fmt(ref['mismatch'], digits=4)}" if ref is not None else ""
     return (f"mismatch {_fmt(plain['mismatch'], digits=4)} -> {_fmt(remedy['mismatch'], digits=4)} (mean |Δ log p| "
-            f"a token); cut at the length limit {_fmt(plain['truncated'], percent=True)} -> "
+            f"a token{yardstick}); cut at the length limit {_fmt(plain['truncated'], percent=True)} -> "
             f"{_fmt(remedy['truncated'], percent=True)}; accuracy {_fmt(plain['accuracy'])} -> "
             f"{_fmt(remedy['accuracy'])}; " + _paired_text(arms, base, name) + ".")
 
@@ -360,11 +367,11 @@ TIS_SUFFIX = "_tis"
 compared with `<arm>` on the same seeds (`bf16_fp8block_tis` has no `bf16_fp8block` arm: no line)."""
 
 
-def _tis_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str) -> str:
+def _tis_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, name: str, reference: str) -> str:
     """An arm with TIS against the same arm without it, same seeds: the mismatch TIS reweights, the
     length limit, accuracy and the paired test."""
     return (f"- **{name} ({base} with TIS against the rollout/trainer mismatch) against {base}, same seeds**: "
-            + _mismatch_to_paired_text(arms, summaries, base, name))
+            + _mismatch_to_paired_text(arms, summaries, base, name, reference))
 
 
 def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references: tuple[str, ...]) -> list[str]:

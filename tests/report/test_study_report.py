@@ -246,10 +246,10 @@ def test_the_gate_arm_is_compared_with_its_plain_and_cc_arms(tmp_path):
 
 def test_the_recipe_on_a_bf16_trainer_is_compared_with_the_recipe_on_float32(tmp_path):
     """A `<recipe>_bf16` arm (the FP8 recipe on a bf16 trainer) gets a verdict line against
-    `<recipe>` on the same seeds: diagnostic, length limit, accuracy, paired test; `bf16` itself and
-    a `bf16_*` probe arm are no such arm."""
+    `<recipe>` on the same seeds: diagnostic, mismatch (the reference's beside it), length limit,
+    accuracy, paired test; `bf16` itself and a `bf16_*` probe arm are no such arm."""
     plain_eval, better = [1] * 2 + [0] * 8, [1] * 7 + [0] * 3
-    runs = {"bf16": {"1": _run(tmp_path / "b1", _scalars(), {0: [0] * 10, 8: better})},
+    runs = {"bf16": {"1": _run(tmp_path / "b1", {**_scalars(), **_mismatch(0.01)}, {0: [0] * 10, 8: better})},
             "bf16_low_lr": {"1": _run(tmp_path / "b2", _scalars(), {0: [0] * 10, 8: better})},
             "groupwise32": {"1": _run(tmp_path / "p1", {**_scalars([0.05] * 8, truncated=0.9), **_mismatch(0.0)},
                                       {8: plain_eval})},
@@ -258,7 +258,7 @@ def test_the_recipe_on_a_bf16_trainer_is_compared_with_the_recipe_on_float32(tmp
     lines = [x for x in verdict_lines(arm_figures(runs), "bf16") if "on a bf16 trainer" in x]
     assert len(lines) == 1 and lines[0].startswith("- **groupwise32_bf16 (the same FP8 recipe on a bf16 trainer")
     assert ("diagnostic 5.0% -> 3.0% (its shadow is the bf16 forward); rollout/trainer mismatch 0.0000 -> 0.0400 "
-            "(mean |Δ log p| a token); cut at the length limit 90.0% -> 10.0%; accuracy 0.200 -> 0.700; "
+            "(mean |Δ log p| a token; bf16 0.0100); cut at the length limit 90.0% -> 10.0%; accuracy 0.200 -> 0.700; "
             "vs groupwise32 on the same problems: seed 1: 5 gained / 0 lost") in lines[0]
 
 
@@ -267,7 +267,8 @@ def test_an_arm_with_tis_is_compared_with_the_same_arm_without_it(tmp_path):
     length limit, accuracy, the paired test, pooled over seeds); `bf16_fp8block_tis`, whose base arm
     the study does not run, gets none."""
     plain_eval, better = [1] * 3 + [0] * 7, [1] * 6 + [0] * 4
-    runs = {"bf16": {s: _run(tmp_path / f"b{s}", _scalars(), {0: [0] * 10, 8: better}) for s in "12"},
+    runs = {"bf16": {s: _run(tmp_path / f"b{s}", {**_scalars(), **_mismatch(0.01 * int(s))}, {0: [0] * 10, 8: better})
+                     for s in "12"},
             "bf16_fp8block_tis": {"1": _run(tmp_path / "t1", _scalars(), {8: better})},
             "groupwise32_bf16": {s: _run(tmp_path / f"p{s}", {**_scalars(truncated=0.5), **_mismatch(0.06)},
                                          {8: plain_eval}) for s in "12"},
@@ -276,7 +277,7 @@ def test_an_arm_with_tis_is_compared_with_the_same_arm_without_it(tmp_path):
     lines = [x for x in verdict_lines(arm_figures(runs), "bf16") if "with TIS against" in x]
     assert len(lines) == 1 and lines[0].startswith("- **groupwise32_bf16_tis (groupwise32_bf16 with TIS against the "
                                                    "rollout/trainer mismatch) against groupwise32_bf16, same seeds**")
-    assert ("mismatch 0.0600 -> 0.0200 (mean |Δ log p| a token); cut at the length limit 50.0% -> 25.0%; "
+    assert ("mismatch 0.0600 -> 0.0200 (mean |Δ log p| a token; bf16 0.0150 [0.0100, 0.0200]); cut at the length limit 50.0% -> 25.0%; "
             "accuracy 0.300 -> 0.600; vs groupwise32_bf16 on the same problems:") in lines[0]
     assert "all seeds: 6 gained / 0 lost" in lines[0]
 
