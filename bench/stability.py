@@ -15,10 +15,12 @@ moderate4 (8 x 8 at temperature 1, lr 1e-5, 12 steps, 2 or 4 mini-batches;
 results/stability_v3/<regime>). Arms: bf16 (reference), groupwise32 (the default: 1x32 groups,
 aligned rollouts), tensorwise, blockwise (unified FP8, the diagnostic measured by
 algorithm.calibration.mode=monitor), the same with Calibrated Clipping (_cc), and
-three remedies: groupwise32_cc_noise (CC with the noise rule), groupwise32_gate (the clip decided on
-the shadow's ratio) and groupwise32_bf16 (the default FP8 recipe on a bf16 trainer); in harsh also
-v2's bf16_fp8block_tis, aligned, aligned_cc, tensorwise_noise, the probes and groupwise32_bf16_gate. Seeds: 3 for bf16 and the groupwise32 arms but
-groupwise32_bf16_gate, 2 for the others.
+remedies: groupwise32_gate (the clip decided on the shadow's ratio), groupwise32_bf16 (the default FP8
+recipe on a bf16 trainer) and, in the moderate regimes, groupwise32_cc_noise (CC with the noise rule);
+in harsh also v2's bf16_fp8block_tis, aligned, aligned_cc, tensorwise_noise, the probes,
+groupwise32_bf16_gate and groupwise32_bf16_tis. Seeds: 3 for bf16, float32 and the groupwise32 arms
+but the bf16-trainer ones (groupwise32_bf16: 3 in harsh, 2 in moderate; its gate and TIS arms 2), 2 for
+the others, 1 for v2's extra arms; each report's preamble lists them.
 Output: <study-dir>/<arm>/seed<k>/ (a run directory each, train.log), <study-dir>/timings.json,
 <study-dir>/report/report.md with curves.png and accuracy.png, and <study-dir>/report/runs/ (per-run
 plots of each arm's first seed). A run that finished earlier with the same settings (its

@@ -10,20 +10,19 @@ Regimes (issue 44): `harsh` is v2's job (2 prompts x 8 samples, lr 3e-5, results
 finished runs reused); `moderate2` / `moderate4` the issue's moderate job (8 x 8 at temperature 1,
 20 tokens, lr 1e-5, 12 steps, eval every 4 on 100 held-out problems) with 2 or 4 mini-batches
 (results/stability_v3/<regime>). v3 adds, in every regime, the project's default (`groupwise32`:
-1x32 groups, aligned rollouts), its CC arm and two remedies: `groupwise32_cc_noise` (CC whose lower
-bound follows the noise rule, algorithm.calibration.rule=noise, so it calibrates where the
-α-quantile falls below any sane floor) and `groupwise32_gate` (the configured bounds with each
-token's clip decision taken on the high-precision shadow's ratio, algorithm.calibration.mode=gate,
-so FP8 over-clips nothing by construction, for a shadow forward of every mini-batch), and a third
-remedy, `groupwise32_bf16` (the default FP8 recipe on a bf16 mixed-precision trainer: FP8 GEMMs, bf16
-elsewhere, aligned rollouts served in bf16); an arm trains under the first `seeds` of --seeds (3 for
-bf16, the default and its CC and remedy arms; 2 for the others; 1 for v2's extra arms), and
-`float32` (no FP8, no bf16) is the second reference, 3 seeds. Harsh adds two probes with the
-normalization gains frozen (train.norm_lr_mult=0; bf16's rounding hides their early updates):
-`float32_frozen_norms` and `groupwise32_frozen_norms`, 2 seeds, and one with a third of the learning
-rate, `float32_low_lr` (bf16's rounding hides most early updates; is the lr the cause?), and at that
-lr `bf16_low_lr`, `groupwise32_low_lr` and `groupwise32_gate_low_lr` (does FP8 then match bf16?), 2 seeds.
-Harsh also has `groupwise32_bf16_gate` (the bf16-trainer remedy with the gate), 2 seeds.
+1x32 groups, aligned rollouts), its CC arm and remedies: `groupwise32_gate` (the configured bounds
+with each token's clip decision taken on the high-precision shadow's ratio,
+algorithm.calibration.mode=gate, so FP8 over-clips nothing by construction, for a shadow forward of
+every mini-batch), `groupwise32_bf16` (the default FP8 recipe on a bf16 mixed-precision trainer: FP8
+GEMMs, bf16 elsewhere, aligned rollouts served in bf16) and, in the moderate regimes, where plain CC
+saturates, `groupwise32_cc_noise` (CC whose lower bound follows the noise rule,
+algorithm.calibration.rule=noise, so it calibrates where the α-quantile falls below any sane floor).
+An arm trains under the first `seeds` of --seeds: 3 for bf16, the default, its CC arm, the gate and
+the noise rule, and for `float32` (no FP8, no bf16), the second reference; 2 for the others
+(groupwise32_bf16: 3 in harsh, where it is the remedy aimed at); 1 for v2's extra arms. Harsh adds
+probes of why bf16 survives its lr (the normalization gains frozen; a third of the learning rate) and
+the bf16-trainer remedy with the gate and with TIS, 2 seeds each. The report's preamble lists every
+arm with its seeds (`preamble`).
 
 The arms (issue 23): the bf16 reference (real Megatron bf16 mixed precision, bf16 SGLang), a bf16
 trainer with blockwise FP8 rollouts and TIS, and three unified FP8 pipelines (old and current
@@ -47,7 +46,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -59,12 +58,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Setting:
-    """One arm: a name (its directory), its `train` overrides, and under how many of the --seeds
-    seeds it trains (the first ones)."""
+    """One arm: a name (its directory), its `train` overrides, under how many of the --seeds seeds it
+    trains (the first ones), and what it is in a few words (the report's preamble)."""
 
     name: str
     overrides: tuple[str, ...]
     seeds: int = 2
+    about: str = ""
 
 
 BF16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16")
@@ -84,11 +84,16 @@ SGLang). Every arm is also compared with it, so a report can tell an FP8 arm tha
 bf16 reference that falls short of full precision (moderate2's bf16 arm learned less than the FP8
 arms and rambled to the length limit, results/stability_v3/moderate2/report)."""
 FLOAT32_ARM = Setting(HIGH_PRECISION, ("model.dtype=float32", "rollout.dtype=float32", "model.fp8=none",
-                                       "rollout.fp8=none"), seeds=3)
+                                       "rollout.fp8=none"), seeds=3,
+                      about="no FP8, no bf16: float32 Megatron and SGLang, no shadow; the second reference "
+                            "every arm is compared with")
 """No shadow forward (calibration off): a float32 trainer has no higher precision to compare with, so
 this arm has no over-clip diagnostic."""
-BF16_ARM = Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none", *MONITOR), seeds=3)
-BF16_OUTSIDE_GEMMS = Setting("groupwise32_bf16", (*BF16, *DEFAULT, *MONITOR), seeds=3)
+BF16_ARM = Setting(REFERENCE, (*BF16, "model.fp8=none", "rollout.fp8=none", *MONITOR), seeds=3,
+                   about="the reference: Megatron bf16 mixed precision, bf16 SGLang")
+BF16_OUTSIDE_GEMMS = Setting("groupwise32_bf16", (*BF16, *DEFAULT, *MONITOR), seeds=3,
+                             about="the default FP8 recipe on a bf16 trainer, aligned rollouts served in bf16; "
+                                   "its shadow is the bf16 forward")
 """A remedy aimed at what harsh's probes found (issue 44's "quantizing the rollout's FP8 from the
 bf16-rounded weights"): the default FP8 recipe on a Megatron bf16 mixed-precision trainer (model.dtype=
 bfloat16: FP8 GEMMs, bf16 everywhere else, the usual Transformer Engine setup), aligned rollouts served
@@ -98,36 +103,50 @@ the bf16-rounded weights, so FP8's forward sees what bf16's does. The price: ali
 bit-identical in bf16 (SGLang's bf16 attention and norms differ from the trainer's; README), and the
 monitor's shadow is the bf16 forward (the FP8 linears computed in their weights' dtype), so its
 diagnostic measures FP8 against bf16, not float32. It changes the precision, not the job: it answers the
-harsh target at lr 3e-5, and the moderate runs say what it costs where plain FP8 already matches bf16."""
-CORE_ARMS = (
-    BF16_ARM,
-    Setting("groupwise32", (*DEFAULT, *MONITOR), seeds=3),
-    Setting("groupwise32_cc", (*DEFAULT, *CALIBRATED), seeds=3),
-    Setting("groupwise32_cc_noise", (*DEFAULT, *CALIBRATED, "algorithm.calibration.rule=noise"), seeds=3),
-    Setting("groupwise32_gate", (*DEFAULT, *GATED), seeds=3),
-    BF16_OUTSIDE_GEMMS,
-    *(Setting(name, (*UNIFIED[name], *MONITOR)) for name in ("tensorwise", "blockwise")),
-    *(Setting(f"{name}_cc", (*UNIFIED[name], *CALIBRATED)) for name in ("tensorwise", "blockwise")),
+harsh target at lr 3e-5, and the moderate runs say what it costs where plain FP8 already matches bf16
+(2 seeds there: the issue's count for an arm that is neither the reference, the default nor its CC arm;
+harsh runs 3)."""
+NOISE_RULE = Setting("groupwise32_cc_noise", (*DEFAULT, *CALIBRATED, "algorithm.calibration.rule=noise"), seeds=3,
+                     about="CC with the noise rule")
+"""Moderate only: CC whose lower bound follows the noise rule where the α-quantile would sit at its floor
+(issue 44's item 3, where moderate's plain CC saturates). Not in harsh: there plain CC's L sits at a
+limit on a median 3.3% [0.0%, 63.3%] of steps (the study report's CC line, seeds 1-3), and the
+default's CC arm falls on every seed whether its L saturates or not (0.062 [0.047, 0.062] against
+bf16's 0.484), so the rule has little to change and nothing a run there could show it rescue."""
+RECIPES = (
+    Setting("groupwise32", (*DEFAULT, *MONITOR), seeds=3, about="the default: 1x32 groups, aligned rollouts"),
+    Setting("groupwise32_cc", (*DEFAULT, *CALIBRATED), seeds=3, about="the default with CC"),
 )
-"""v3's arms, in every regime."""
+UNIFIED_ARMS = (
+    Setting("tensorwise", (*UNIFIED["tensorwise"], *MONITOR), about="per-tensor scaling, per-tensor FP8 rollouts"),
+    Setting("blockwise", (*UNIFIED["blockwise"], *MONITOR), about="128x128 blocks, blockwise FP8 rollouts"),
+    *(Setting(f"{name}_cc", (*UNIFIED[name], *CALIBRATED), about="with CC") for name in ("tensorwise", "blockwise")),
+)
+GATE = Setting("groupwise32_gate", (*DEFAULT, *GATED), seeds=3, about="the clip decided on the shadow's ratio")
+HARSH_CORE_ARMS = (BF16_ARM, *RECIPES, GATE, BF16_OUTSIDE_GEMMS, *UNIFIED_ARMS)
+MODERATE_CORE_ARMS = (BF16_ARM, *RECIPES, NOISE_RULE, GATE, replace(BF16_OUTSIDE_GEMMS, seeds=2), *UNIFIED_ARMS)
+"""v3's arms in each regime."""
 V2_EXTRA_ARMS = (
     Setting("bf16_fp8block_tis", ("model.dtype=bfloat16", "model.fp8=none", "rollout.fp8=blockwise",
-                                  "algorithm.correction=tis", *MONITOR), seeds=1),
-    Setting("aligned", (*UNIFIED["aligned"], *MONITOR), seeds=1),
-    Setting("aligned_cc", (*UNIFIED["aligned"], *CALIBRATED), seeds=1),
+                                  "algorithm.correction=tis", *MONITOR), seeds=1,
+            about="bf16 trainer, blockwise FP8 SGLang rollouts, TIS"),
+    Setting("aligned", (*UNIFIED["aligned"], *MONITOR), seeds=1, about="v2's calibrated recipe, aligned rollouts"),
+    Setting("aligned_cc", (*UNIFIED["aligned"], *CALIBRATED), seeds=1, about="with CC"),
     Setting("tensorwise_noise", (*UNIFIED["tensorwise"], *MONITOR, "algorithm.old_policy=bypass",
-                                 "algorithm.correction=none"), seeds=1),
+                                 "algorithm.correction=none"), seeds=1,
+            about="noise-aware clipping, old_policy=bypass"),
 )
 """v2's other arms (the harsh regime only, where their runs are committed)."""
 FROZEN_NORMS = ("train.norm_lr_mult=0",)
 LOW_LR = ("train.lr=1e-5",)
-BF16_GATE = Setting("groupwise32_bf16_gate", (*BF16, *DEFAULT, *GATED))
+BF16_GATE = Setting("groupwise32_bf16_gate", (*BF16, *DEFAULT, *GATED), about="groupwise32_bf16 with the gate")
 """Harsh only, 2 seeds: the two remedies together, groupwise32_bf16's bf16 trainer with the gate's clip
 decisions on the shadow's ratio (here the bf16 forward). In harsh groupwise32_bf16 fell far less than
 the float32-outside FP8 arms (0.297 [0.281, 0.547] against groupwise32's 0.109, +60/-4 on the same
 seeds) yet two of its three seeds ended at the length limit (one after learning), with 3.6-5.7% of A<0
 tokens over-clipped against its bf16 shadow; the gate removes that over-clipping by construction."""
-BF16_TIS = Setting("groupwise32_bf16_tis", (*BF16, *DEFAULT, *MONITOR, "algorithm.correction=tis"))
+BF16_TIS = Setting("groupwise32_bf16_tis", (*BF16, *DEFAULT, *MONITOR, "algorithm.correction=tis"),
+                   about="groupwise32_bf16 with TIS")
 """Harsh only, 2 seeds: groupwise32_bf16 with truncated importance sampling (TIS, cap 2) against the
 rollout/trainer mismatch, nothing else changed. Two things still separate groupwise32_bf16 from bf16 in
 harsh: FP8's quantization noise in the GEMMs, and a rollout that is no longer bit-identical to the trainer
@@ -138,12 +157,12 @@ by its capped rollout/trainer ratio. It reweights the mismatch, it does not remo
 that TIS repairs the gap, not that the mismatch is innocent (seeds 1-2: no different from
 groupwise32_bf16 on the same seeds, README)."""
 PROBE_ARMS = (
-    Setting("float32_frozen_norms", (*FLOAT32_ARM.overrides, *FROZEN_NORMS)),
-    Setting("groupwise32_frozen_norms", (*DEFAULT, *MONITOR, *FROZEN_NORMS)),
-    Setting("float32_low_lr", (*FLOAT32_ARM.overrides, *LOW_LR)),
-    Setting("bf16_low_lr", (*BF16_ARM.overrides, *LOW_LR)),
-    Setting("groupwise32_low_lr", (*DEFAULT, *MONITOR, *LOW_LR)),
-    Setting("groupwise32_gate_low_lr", (*DEFAULT, *GATED, *LOW_LR)),
+    *(Setting(f"{base}_frozen_norms", overrides + FROZEN_NORMS,
+              about="the normalization gains frozen, train.norm_lr_mult=0; bf16's rounding hides their early updates")
+      for base, overrides in (("float32", FLOAT32_ARM.overrides), ("groupwise32", (*DEFAULT, *MONITOR)))),
+    *(Setting(f"{base}_low_lr", overrides + LOW_LR, about="at lr 1e-5: is harsh's lr the cause? does FP8 then match bf16?")
+      for base, overrides in (("float32", FLOAT32_ARM.overrides), ("bf16", BF16_ARM.overrides),
+                              ("groupwise32", (*DEFAULT, *MONITOR)), ("groupwise32_gate", (*DEFAULT, *GATED)))),
 )
 """Harsh only: probes of why bf16 beats float32 there, two with the normalization gains frozen
 (train.norm_lr_mult=0) and four at a third of the learning rate. In the harsh job bf16 seed 1
@@ -205,11 +224,11 @@ class Regime:
 
 REGIMES = {
     "harsh": Regime("harsh", COMMON, FULL, "results/stability",
-                    (*CORE_ARMS, BF16_GATE, BF16_TIS, *V2_EXTRA_ARMS, *PROBE_ARMS, FLOAT32_ARM),
+                    (*HARSH_CORE_ARMS, BF16_GATE, BF16_TIS, *V2_EXTRA_ARMS, *PROBE_ARMS, FLOAT32_ARM),
                     "Harsh regime (study v2's job): 2 prompts x 8 samples at temperature 0.7, 16 tokens, "
                     "lr 3e-5, 2 mini-batches, 30 steps, 64 held-out problems."),
     **{f"moderate{m}": Regime(f"moderate{m}", MODERATE_COMMON, {**MODERATE, "train.mini_batches": m},
-                              f"results/stability_v3/moderate{m}", (*CORE_ARMS, FLOAT32_ARM),
+                              f"results/stability_v3/moderate{m}", (*MODERATE_CORE_ARMS, FLOAT32_ARM),
                               f"Moderate regime, {m} mini-batches: 8 prompts x 8 samples at temperature 1.0, "
                               "20 tokens, lr 1e-5, clip 0.2/0.2, 12 steps, 100 held-out problems (eval every 4).")
        for m in (2, 4)},
@@ -303,21 +322,31 @@ def _kill_started(marker: str, seen: dict[int, float]) -> None:
             continue
 
 
-PREAMBLE = ("The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
-            "float32 outside the FP8 GEMMs (groupwise32_bf16: bf16), the bf16 arms run Megatron bf16 mixed precision and bf16 "
-            "SGLang (blockwise FP8 SGLang for bf16_fp8block_tis). bf16, groupwise32 (the default: 1x32 "
-            "groups, aligned rollouts), its CC arm, groupwise32_cc_noise (CC with the noise rule), "
-            "groupwise32_gate (the clip decided on the shadow's ratio) and groupwise32_bf16 (the default FP8 recipe on a "
-            "bf16 trainer, aligned rollouts served in bf16; its shadow is the bf16 forward) run 3 seeds, tensorwise/blockwise (±CC) 2, v2's other arms 1{probes}; float32 (no FP8, no bf16: float32 Megatron "
-            "and SGLang, no shadow) runs 3 seeds as the second reference every arm is compared with. Command: `megatron-fp8rl stability "
-            "--regime {regime}` (bench/stability.py); per-run plots in runs/.")
+def preamble(regime: Regime) -> str:
+    """The report's preamble: the job, and the regime's arms grouped by how many seeds they run, each
+    with its `about` (consecutive arms that share one are named together), from the settings
+    themselves so it cannot drift from them."""
+    groups = []
+    for seeds in sorted({arm.seeds for arm in regime.arms}, reverse=True):
+        runs = []  # [names, about] for consecutive arms with the same about
+        for arm in (a for a in regime.arms if a.seeds == seeds):
+            if runs and runs[-1][1] == arm.about:
+                runs[-1][0].append(arm.name)
+            else:
+                runs.append([[arm.name], arm.about])
+        named = [_and(names) + (f" ({about})" if about else "") for names, about in runs]
+        groups.append(f"{'seed 1' if seeds == 1 else f'seeds 1-{seeds}'}: " + "; ".join(named))
+    groups[0] = groups[0][0].upper() + groups[0][1:]
+    return (f"{regime.about} The same RL job (task, sizes, prompt stream per seed) under each arm; FP8 arms keep "
+            "float32 outside the FP8 GEMMs (the `_bf16` arms: bf16), the bf16 arms run Megatron bf16 mixed "
+            "precision and bf16 SGLang. " + "; ".join(groups)
+            + f". Command: `megatron-fp8rl stability --regime {regime.name}` (bench/stability.py); per-run plots "
+            "in runs/.")
 
 
-PROBES_NOTE = (", float32_frozen_norms and groupwise32_frozen_norms (the normalization gains frozen, "
-               "train.norm_lr_mult=0; bf16's rounding hides their early updates) and float32_low_lr "
-               "(float32 at lr 1e-5: is harsh's lr the cause?), and bf16_low_lr, groupwise32_low_lr and "
-               "groupwise32_gate_low_lr (does FP8 match bf16 at lr 1e-5?) 2, groupwise32_bf16_gate and "
-               "groupwise32_bf16_tis (groupwise32_bf16 with the gate, with TIS; bf16 outside their GEMMs too) 2")
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
 
 RECORDING_KEYS = ("algorithm.calibration.record",)
 """Overrides that change what a run writes, not how it trains: a finished run made without them is
@@ -480,9 +509,7 @@ def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, ti
     from megatron_fp8rl.report.markdown import write_report
     from megatron_fp8rl.report.study_report import write_study_report
 
-    probes = PROBES_NOTE if any(arm in regime.arms for arm in PROBE_ARMS) else ""
-    report = write_study_report(finished, study_dir / "report", REFERENCE,
-                                f"{regime.about} {PREAMBLE.format(regime=regime.name, probes=probes)}",
+    report = write_study_report(finished, study_dir / "report", REFERENCE, preamble(regime),
                                 {k: v for k, v in timings.items() if k.split("/")[0] in finished},
                                 also_against=(HIGH_PRECISION,))
     first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]

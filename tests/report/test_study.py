@@ -2,13 +2,14 @@
 keys and values of the real run config, names select settings, bad specs fail clearly."""
 import argparse
 import json
+import re
 import time
 
 import pytest
 
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.report.study import (
-    COMMON, FULL, QUICK, REGIMES, SEEDS, Setting, parse_added_setting, runs_of, select_settings, study_settings,
+    COMMON, FULL, QUICK, REGIMES, SEEDS, Setting, parse_added_setting, preamble, runs_of, select_settings, study_settings,
     train_command,
 )
 from megatron_fp8rl.trainer.config import RunConfig
@@ -21,7 +22,7 @@ def _config(overrides, common=COMMON):
 
 def test_the_issue_arms():
     by_name = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings()}
-    assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_cc_noise", "groupwise32_gate", "groupwise32_bf16", "tensorwise",
+    assert list(by_name) == ["bf16", "groupwise32", "groupwise32_cc", "groupwise32_gate", "groupwise32_bf16", "tensorwise",
                              "blockwise", "tensorwise_cc", "blockwise_cc", "groupwise32_bf16_gate", "groupwise32_bf16_tis",
                              "bf16_fp8block_tis", "aligned",
                              "aligned_cc", "tensorwise_noise", "float32_frozen_norms",
@@ -43,7 +44,9 @@ def test_the_issue_arms():
         # the diagnostic every step on every FP8 arm: measured (monitor) or applied (shadow)
         assert (plain.algorithm.calibration.mode, cc.algorithm.calibration.mode) == ("monitor", "shadow")
         assert plain.algorithm.calibration.every == cc.algorithm.calibration.every == 1
-    remedy, cc = by_name["groupwise32_cc_noise"], by_name["groupwise32_cc"]
+    moderate = {s.name: _config(["model.hf_path=m", *s.overrides]) for s in study_settings("moderate2")}
+    assert [name for name in moderate if name not in by_name] == ["groupwise32_cc_noise"]  # moderate only
+    remedy, cc = moderate["groupwise32_cc_noise"], by_name["groupwise32_cc"]
     assert (remedy.algorithm.calibration.rule, cc.algorithm.calibration.rule) == ("noise", "quantile")
     assert remedy.algorithm.calibration.mode == "shadow" and (remedy.model.fp8, remedy.rollout.fp8) == ("groupwise32", "aligned")
     gate = by_name["groupwise32_gate"]  # the clip decided on the shadow's ratio, the configured bounds
@@ -96,8 +99,11 @@ def test_each_arm_runs_its_first_seeds_first_seeds_first():
         ("a", 1), ("b", 1), ("c", 1), ("a", 2), ("c", 2), ("a", 3)]
     for regime in REGIMES:  # issue 44: three seeds for bf16, the default and its CC arm, two for the others
         seeds = {s.name: s.seeds for s in study_settings(regime)}
-        assert seeds["bf16"] == seeds["groupwise32"] == seeds["groupwise32_cc"] == seeds["groupwise32_cc_noise"] == 3
+        assert seeds["bf16"] == seeds["groupwise32"] == seeds["groupwise32_cc"] == seeds["groupwise32_gate"] == 3
         assert all(seeds[f"{name}{cc}"] == 2 for name in ("tensorwise", "blockwise") for cc in ("", "_cc"))
+        # the bf16-trainer remedy: 3 seeds where it is the remedy aimed at (harsh), the issue's 2 elsewhere
+        assert seeds["groupwise32_bf16"] == (3 if regime == "harsh" else 2)
+        assert seeds.get("groupwise32_cc_noise") == (None if regime == "harsh" else 3)
         assert seeds["float32"] == 3 and list(seeds)[-1] == "float32"  # a reference: paired over 3 seeds, planned last
     assert len(SEEDS) == 3
 
@@ -268,3 +274,20 @@ def test_hours_starts_no_run_that_would_end_past_the_budget(tmp_path, capsys):
 def _mkdir(path):
     path.mkdir(parents=True)
     return path
+
+
+def test_the_report_preamble_names_every_arm_under_the_seeds_it_runs():
+    """The preamble is built from the settings: each arm once, in the group of its seed count, with
+    its description; an arm the regime does not run is not named."""
+    for name, regime in REGIMES.items():
+        text = preamble(regime)
+        body = text.split(" SGLang. ", 1)[1].split(". Command:")[0]
+        parts = re.split(r"(?:^|; )[Ss]eeds? (1(?:-\d)?): ", body)
+        groups = dict(zip(parts[1::2], parts[2::2]))
+        assert parts[0] == "" and len(groups) == len({arm.seeds for arm in regime.arms})
+        for arm in regime.arms:
+            group = groups["1" if arm.seeds == 1 else f"1-{arm.seeds}"]
+            assert re.search(rf"(^|; |, | and ){arm.name}( |,|$|\))", group), (name, arm.name, label)
+            assert arm.about and arm.about in text
+        assert ("groupwise32_cc_noise" in text) == (name != "harsh")
+        assert f"--regime {name}`" in text
