@@ -286,7 +286,8 @@ MATCH_P = 0.05
 """An arm matches the reference when its median final accuracy is not below the reference's seed
 range and the paired McNemar against it (pooled over seeds where there are several) has p > MATCH_P;
 it beats the reference when its median is above that range and the test has p <= MATCH_P with more
-problems gained than lost (the reference falls short of it)."""
+problems gained than lost (the reference falls short of it); an arm whose median is inside the range
+with that same test in its favour is neither (the two differ, in its favour), and is named as ahead."""
 
 
 def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: str) -> str | None:
@@ -297,7 +298,7 @@ def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: s
     if ref is None or not math.isfinite(ref["accuracy"][0]):
         return None
     low, high = ref["accuracy"][1], ref["accuracy"][2]
-    matching, beating, parts = [], [], []
+    matching, beating, ahead, parts = [], [], [], []
     for name, summary in summaries.items():
         if name == reference:
             continue
@@ -307,13 +308,16 @@ def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: s
         where = "below" if median < low else "above" if median > high else "inside"
         if where != "below" and test is not None and test["mcnemar_p"] > MATCH_P:
             matching.append(name)
-        elif where == "above" and test is not None and test["gained"] > test["lost"]:
-            beating.append(name)  # significantly better on the same problems: more than a match
+        elif where != "below" and test is not None and test["gained"] > test["lost"]:
+            # significantly better on the same problems: more than a match
+            (beating if where == "above" else ahead).append(name)
         p_text = (f"p = {test['mcnemar_p']:.2g}, +{test['gained']:.0f}/-{test['lost']:.0f}" if test is not None
                   else "no paired test")
         parts.append(f"{name} {_fmt(summary['accuracy'])} ({where}, {p_text})")
     beat_text = (f" Which beat it (median above that range, paired p <= {MATCH_P:g} with more problems gained "
                  f"than lost): {', '.join(beating)}." if beating else "")
+    beat_text += (f" Which are inside that range and ahead of it on the same problems (paired p <= {MATCH_P:g}, "
+                  f"more gained than lost): {', '.join(ahead)}." if ahead else "")
     return (f"- **Which arms match {reference}** (median final accuracy inside or above {reference}'s seed "
             f"range {_fmt(ref['accuracy'])} and paired McNemar p > {MATCH_P:g}, pooled over seeds): "
             + (", ".join(matching) if matching else "none") + "." + beat_text + " All: " + "; ".join(parts) + ".")

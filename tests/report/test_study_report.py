@@ -189,6 +189,23 @@ def test_an_arm_significantly_better_than_the_reference_is_said_to_beat_it(study
     assert "pooled over seeds): tensorwise_cc. Which beat" in match  # better is not in the match list
 
 
+def test_an_arm_inside_the_reference_range_but_ahead_on_the_same_problems_is_named_as_ahead(study):
+    """Median inside the reference's seed range while the pooled paired test is in its favour
+    (p <= 0.05): not a match (the two differ) and not a win by the range, so neither list holds it;
+    the verdict names it as ahead instead of leaving it out of both."""
+    tmp_path, runs = study
+    runs["bf16"] = {"1": _run(tmp_path / "r1", _scalars(), {8: [1, 1] + [0] * 8}),
+                    "2": _run(tmp_path / "r2", _scalars(), {8: [1] * 9 + [0]})}  # range [0.2, 0.9]
+    runs["ahead"] = {"1": _run(tmp_path / "a1", _scalars([0.001] * 8), {8: [1] * 8 + [0] * 2}),  # +6/-0
+                     "2": _run(tmp_path / "a2", _scalars([0.001] * 8), {8: [1] * 9 + [0]})}  # +0/-0
+    match = next(line for line in verdict_lines(arm_figures(runs), "bf16")
+                 if line.startswith("- **Which arms match bf16**"))
+    assert "ahead 0.850 [0.800, 0.900] (inside, p = 0.031, +6/-0)" in match
+    assert ("Which are inside that range and ahead of it on the same problems (paired p <= 0.05, "
+            "more gained than lost): ahead.") in match
+    assert "pooled over seeds): tensorwise_cc." in match and "Which beat it" not in match
+
+
 def test_every_arm_is_also_compared_with_the_float32_reference(study):
     """A second reference (float32: no FP8, no bf16) gets its own "which arms match" line and table
     column, so an arm that beats bf16 can be told from a bf16 reference that falls short of full
