@@ -252,7 +252,8 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
                      f"{_fmt(cc['overclip'], percent=True)} (with bounds calibrated on the same step: "
                      f"{_fmt(cc['overclip_after'], percent=True)}); held-out accuracy {_fmt(plain['accuracy'])} -> "
                      f"{_fmt(cc['accuracy'])} ({reference}: {_fmt(ref['accuracy'])}); "
-                     + _paired_text(arms, reference, calibrated) + _limits_text(cc) + ".")
+                     + _paired_text(arms, reference, calibrated) + "; " + _paired_text(arms, name, calibrated)
+                     + _limits_text(cc) + ".")
     for name in sorted(summaries):
         base, _, rule = name.rpartition("_cc_")
         if base and f"{base}_cc" in summaries and rule:

@@ -70,6 +70,9 @@ def test_verdict_names_the_overclipping_arm_and_the_paired_tests(study):
     assert "over-clipping from step 1, entropy surge from step 4" in lines  # entropy 1.0 at steps 1-3
     assert "diagnostic 4.0% [3.0%, 5.0%] -> 0.2% (with bounds calibrated on the same step: 0.1%)" in lines
     assert "L at a limit on 75.0% of steps, H on 0.0%." in lines
+    # CC against the same recipe without it, same seeds (ref_eval against bad_eval: 3 gained, none lost)
+    plain = paired_eval_change([bool(c) for c in [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]], [bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]])
+    assert f"vs tensorwise on the same problems: seed 1: 3 gained / 0 lost, p = {plain['mcnemar_p']:.2g}; L at" in lines
     expected = paired_eval_change([bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]], [bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]])
     assert f"seed 1: 0 gained / 0 lost, p = {expected['mcnemar_p']:.2g}" in lines
 
