@@ -101,8 +101,9 @@ def test_each_arm_runs_its_first_seeds_first_seeds_first():
         seeds = {s.name: s.seeds for s in study_settings(regime)}
         assert seeds["bf16"] == seeds["groupwise32"] == seeds["groupwise32_cc"] == seeds["groupwise32_gate"] == 3
         assert all(seeds[f"{name}{cc}"] == 2 for name in ("tensorwise", "blockwise") for cc in ("", "_cc"))
-        # the bf16-trainer remedy: 3 seeds where it is the remedy aimed at (harsh), the 2 elsewhere
-        assert seeds["groupwise32_bf16"] == (3 if regime == "harsh" else 2)
+        # the bf16-trainer remedy: 3 seeds where it is the remedy aimed at (harsh), the 2 in
+        # moderate2, which answers what it costs where plain FP8 matches bf16; not run in moderate4
+        assert seeds.get("groupwise32_bf16") == {"harsh": 3, "moderate2": 2, "moderate4": None}[regime]
         assert seeds.get("groupwise32_cc_noise") == (None if regime == "harsh" else 3)
         assert seeds["float32"] == 3 and list(seeds)[-1] == "float32"  # a reference: paired over 3 seeds, planned last
     assert len(SEEDS) == 3
