@@ -450,6 +450,37 @@ def run_study(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+VERDICT = "results/stability_v3/verdict.md"
+"""Where --verdict writes the verdict across the regimes (README's verdict quotes it)."""
+REMEDIES = (("groupwise32", "groupwise32_gate"), ("groupwise32", "groupwise32_cc"),
+            ("groupwise32_cc", "groupwise32_cc_noise"), ("tensorwise", "tensorwise_cc"), ("blockwise", "blockwise_cc"),
+            ("groupwise32", "groupwise32_bf16"))
+"""(arm, the arm that remedies it) pairs the verdict tests on the same seeds, per regime and pooled."""
+
+
+def run_verdict() -> int:
+    """Every regime's report of its committed runs, then the verdict across them (VERDICT)."""
+    from megatron_fp8rl.report.study_verdict import arm_kind, write_verdict
+
+    figures, kinds = {}, {}
+    for name, regime in REGIMES.items():
+        study_dir = REPO / regime.study_dir
+        timings_path = study_dir / "timings.json"
+        timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+        figures[name] = _report(list(regime.arms), SEEDS, study_dir, timings, regime)
+        kinds.update({arm.name: arm_kind(arm.overrides, FROZEN_NORMS + LOW_LR) for arm in regime.arms})
+    about = " ".join(f"{name}: {regime.about}" for name, regime in REGIMES.items())
+    preamble = (f"From the committed runs of each regime ({about}) by `megatron-fp8rl stability --verdict` "
+                "(bench/stability.py), which also rewrites each regime's report. Final held-out greedy accuracy, "
+                "median [min, max] over seeds; paired McNemar on the same problems, pooled over the seeds both arms "
+                "ran; s/step: the mean wall seconds of an RL step (rollout, recompute, train, sync; evals excluded) "
+                "on the machine that ran it, every FP8 arm with its shadow forwards.")
+    out = write_verdict(figures, kinds, REPO / VERDICT, default=RECIPES[0].name, references=(REFERENCE, HIGH_PRECISION),
+                        remedies=REMEDIES, preamble=preamble)
+    print(f"[stability] verdict: {out}")
+    return 0
+
+
 def _finished(run_dir: Path) -> bool:
     return (run_dir / "summary.json").is_file()
 
@@ -502,25 +533,28 @@ def _train(plan: list[tuple[Setting, int]], study_dir: Path, model: Path, sizes:
 
 
 def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, timings: dict[str, float],
-            regime: Regime) -> None:
-    """report/ (the study report and each arm's first seed's per-run plots) of the finished runs."""
+            regime: Regime) -> dict:
+    """report/ (the study report and each arm's first seed's per-run plots) of the finished runs;
+    returns the figures it read, {arm: [RunFigures]} ({} without finished runs)."""
     finished = {s.name: {str(seed): run_dir_of(study_dir, s, seed) for seed in seeds
                          if _finished(run_dir_of(study_dir, s, seed))} for s in settings}
     finished = {name: dirs for name, dirs in finished.items() if dirs}
     if not finished:
-        return
+        return {}
     # matplotlib: only when reporting
     from megatron_fp8rl.report.markdown import write_report
-    from megatron_fp8rl.report.study_report import write_study_report
+    from megatron_fp8rl.report.study_report import arm_figures, kept_arms, write_study_report
 
+    figures = arm_figures(finished)
     report = write_study_report(finished, study_dir / "report", REFERENCE, preamble(regime),
                                 {k: v for k, v in timings.items() if k.split("/")[0] in finished},
-                                also_against=(HIGH_PRECISION,))
+                                also_against=(HIGH_PRECISION,), figures=figures)
     first = [dirs[min(dirs, key=int)] for dirs in finished.values() if dirs]
     names = [arm for arm, dirs in finished.items() if dirs]
     write_report(first, study_dir / "report" / "runs", title="FP8 stability study: each arm's first seed",
                  preamble="Per-run plots of every finished arm's first seed.", names=names)
     print(f"[stability] report: {report}")
+    return kept_arms(figures)
 
 
 def _model_path(model: Path) -> Path:
@@ -566,9 +600,12 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
                              "again to go on")
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: the report of the runs finished so far, naming the missing ones")
+    parser.add_argument("--verdict", action="store_true",
+                        help=f"train nothing: every regime's report and the verdict across them ({VERDICT})")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_study_arguments(parser)
-    return run_study(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return run_verdict() if args.verdict else run_study(args)

@@ -78,6 +78,9 @@ class RunFigures:
     never_updated: bool = False
     """The run logged train/grad_norm and it was 0 on every step: no gradient ever reached the
     optimizer (the bf16 shadow defect fixed in models/shadow.py left such runs behind)."""
+    started: float = math.nan
+    """When the run started training (unix seconds, from its first tensorboard event file's name):
+    which code made it, for findings that a later fix changed."""
 
 
 CURVES = {"clip/neg_overclip_before": "A<0 tokens over-clipped vs the shadow (diagnostic)",
@@ -126,6 +129,20 @@ def _pooled(run: RunLogs, share_tag: str, count_tag: str) -> tuple[float, float]
     return (sum(share * count for share, count in pairs) / total, total) if total else (math.nan, math.nan)
 
 
+STEP_PHASES = ("time/rollout_s", "time/advantages_s", "time/recompute_s", "time/train_s", "time/sync_s")
+"""The phases of one RL step the trainer times (evals and setup are timed apart)."""
+
+
+def _step_seconds(run: RunLogs) -> float:
+    """The mean over steps of a step's summed STEP_PHASES seconds (evals excluded); NaN without them."""
+    per_step: dict[float, float] = {}
+    for tag in STEP_PHASES:
+        if (found := _series(run, tag)) is not None:
+            for step, seconds in zip(found[0].tolist(), found[1].tolist()):
+                per_step[step] = per_step.get(step, 0.0) + seconds
+    return float(np.mean(list(per_step.values()))) if per_step else math.nan
+
+
 def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
     """The figures of one finished run (`run_dir` holds tb/ and eval_correct.json)."""
     run = load_run(run_dir, name=f"{arm}/{seed}")
@@ -151,6 +168,8 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
         "accuracy": float(accuracy[1][-1]) if accuracy else math.nan,
         "train_forward_delta_max": _reduce(run, "noise/train_forward_abs_delta_max", np.max),
         "mismatch": _reduce(run, "train/mismatch_abs_logprob_diff_mean", np.mean),
+        "mismatch_max": _reduce(run, "train/mismatch_abs_logprob_diff_mean", np.max),
+        "step_s": _step_seconds(run),
     }
     values["overclip_pooled"], values["neg_values"] = _pooled(run, "clip/neg_overclip_before", "clip/neg_values")
     values["entropy_drift"] = values["entropy_last"] / values["entropy_first"] if entropy else math.nan
@@ -171,7 +190,14 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
     last = (max(shown), shown[max(shown)]) if shown else None
     grad_norm = _series(run, "train/grad_norm")
     return RunFigures(arm, seed, values, curves, eval_final, last,
-                      never_updated=grad_norm is not None and not grad_norm[1].any())
+                      never_updated=grad_norm is not None and not grad_norm[1].any(), started=_started(Path(run_dir)))
+
+
+def _started(run_dir: Path) -> float:
+    """The unix time in the name of the run's first tensorboard event file (events.out.tfevents.<time>.<host>...)."""
+    stamps = [int(part[3]) for f in (run_dir / "tb").glob("events.out.tfevents.*")
+              if len(part := f.name.split(".")) > 3 and part[3].isdigit()]
+    return float(min(stamps)) if stamps else math.nan
 
 
 def paired_against(reference: RunFigures, run: RunFigures) -> dict[str, float] | None:
@@ -195,7 +221,9 @@ def arm_summary(runs: list[RunFigures]) -> dict[str, tuple[float, float, float]]
     return {key: spread([r.values[key] for r in runs]) for key in runs[0].values}
 
 
-def _fmt(triple: tuple[float, float, float], percent: bool = False, digits: int = 3) -> str:
+def fmt_spread(triple: tuple[float, float, float], percent: bool = False, digits: int = 3) -> str:
+    """'median [min, max]' (the median alone when min = max; 'n/a' when NaN), as a percentage with one
+    decimal or with `digits` decimals."""
     median, low, high = triple
     if not math.isfinite(median):
         return "n/a"
@@ -219,8 +247,8 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
     if not measured:
         lines.append("- **Over-clipping**: no arm measured the diagnostic (no FP8 trainer arm finished).")
     else:
-        listed = ", ".join(f"{n} {_fmt(measured[n]['overclip'], percent=True)}"
-                           + (f" (pooled over its A<0 values: {_fmt(measured[n]['overclip_pooled'], percent=True)})"
+        listed = ", ".join(f"{n} {fmt_spread(measured[n]['overclip'], percent=True)}"
+                           + (f" (pooled over its A<0 values: {fmt_spread(measured[n]['overclip_pooled'], percent=True)})"
                               if math.isfinite(measured[n]["overclip_pooled"][0]) else "")
                            for n in sorted(measured, key=lambda n: -measured[n]["overclip"][0]))
         lines.append(f"- **Over-clipping** (mean share of A<0 tokens clipped by the arm's ratio and not by "
@@ -231,14 +259,14 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
             s = summaries[name]
             garbled = max(s["no_number"][0] - ref["no_number"][0], s["repetitive"][0] - ref["repetitive"][0])
             surge = s["entropy_drift"][0] > ENTROPY_SURGE
-            order = ", ".join(f"{what} from step {_fmt(s[key], digits=0)}" for what, key in
+            order = ", ".join(f"{what} from step {fmt_spread(s[key], digits=0)}" for what, key in
                               (("over-clipping", "overclip_from"), ("entropy surge", "surge_from"),
                                ("garbling", "garble_from")) if math.isfinite(s[key][0]))
             lines.append(
-                f"- **{name}: does entropy/garbling follow?** entropy drift {_fmt(s['entropy_drift'])} "
-                f"({reference}: {_fmt(ref['entropy_drift'])}), garbled shares no-number "
-                f"{_fmt(s['no_number'], percent=True)} / repetitive {_fmt(s['repetitive'], percent=True)} ({reference}: "
-                f"{_fmt(ref['no_number'], percent=True)} / {_fmt(ref['repetitive'], percent=True)}): "
+                f"- **{name}: does entropy/garbling follow?** entropy drift {fmt_spread(s['entropy_drift'])} "
+                f"({reference}: {fmt_spread(ref['entropy_drift'])}), garbled shares no-number "
+                f"{fmt_spread(s['no_number'], percent=True)} / repetitive {fmt_spread(s['repetitive'], percent=True)} ({reference}: "
+                f"{fmt_spread(ref['no_number'], percent=True)} / {fmt_spread(ref['repetitive'], percent=True)}): "
                 + ("entropy surges" if surge else "no entropy surge") + " and "
                 + ("output garbles" if garbled > GARBLE_RISE else "no garbling beyond the reference")
                 + f" (first seen, median over seeds: {order})" + ".")
@@ -248,10 +276,10 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
         if calibrated not in summaries or ref is None:
             continue
         plain, cc = summaries[name], summaries[calibrated]
-        lines.append(f"- **Calibrated Clipping on {name}**: diagnostic {_fmt(plain['overclip'], percent=True)} -> "
-                     f"{_fmt(cc['overclip'], percent=True)} (with bounds calibrated on the same step: "
-                     f"{_fmt(cc['overclip_after'], percent=True)}); held-out accuracy {_fmt(plain['accuracy'])} -> "
-                     f"{_fmt(cc['accuracy'])} ({reference}: {_fmt(ref['accuracy'])}); "
+        lines.append(f"- **Calibrated Clipping on {name}**: diagnostic {fmt_spread(plain['overclip'], percent=True)} -> "
+                     f"{fmt_spread(cc['overclip'], percent=True)} (with bounds calibrated on the same step: "
+                     f"{fmt_spread(cc['overclip_after'], percent=True)}); held-out accuracy {fmt_spread(plain['accuracy'])} -> "
+                     f"{fmt_spread(cc['accuracy'])} ({reference}: {fmt_spread(ref['accuracy'])}); "
                      + _paired_text(arms, reference, calibrated) + "; " + _paired_text(arms, name, calibrated)
                      + _limits_text(cc) + ".")
     for name in sorted(summaries):
@@ -259,8 +287,8 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
         if base and f"{base}_cc" in summaries and rule:
             plain_cc, remedy = summaries[f"{base}_cc"], summaries[name]
             lines.append(f"- **{name} (CC with the {rule} rule) against {base}_cc, same seeds**: diagnostic "
-                         f"{_fmt(plain_cc['overclip'], percent=True)} -> {_fmt(remedy['overclip'], percent=True)}; "
-                         f"accuracy {_fmt(plain_cc['accuracy'])} -> {_fmt(remedy['accuracy'])}; "
+                         f"{fmt_spread(plain_cc['overclip'], percent=True)} -> {fmt_spread(remedy['overclip'], percent=True)}; "
+                         f"accuracy {fmt_spread(plain_cc['accuracy'])} -> {fmt_spread(remedy['accuracy'])}; "
                          + _paired_text(arms, f"{base}_cc", name) + _limits_text(remedy)
                          + f" (plain CC{_limits_text(plain_cc)[1:] or ': no limit flags logged'}).")
     for suffix, remedy_line in (("_gate", _gate_line), (BF16_SUFFIX, partial(_on_bf16_line, reference=reference)),
@@ -277,9 +305,9 @@ def verdict_lines(arms: dict[str, list[RunFigures]], reference: str, also_agains
         if name in summaries:
             s = summaries[name]
             lines.append(f"- **{name}**: first-forward |log π_θ − log π_old| max "
-                         f"{_fmt(s['train_forward_delta_max'], digits=2)} (0: the first mini-batch's ratio is "
-                         f"exactly 1), diagnostic on the later mini-batch {_fmt(s['overclip'], percent=True)}, "
-                         f"accuracy {_fmt(s['accuracy'])}.")
+                         f"{fmt_spread(s['train_forward_delta_max'], digits=2)} (0: the first mini-batch's ratio is "
+                         f"exactly 1), diagnostic on the later mini-batch {fmt_spread(s['overclip'], percent=True)}, "
+                         f"accuracy {fmt_spread(s['accuracy'])}.")
     return lines
 
 
@@ -291,6 +319,21 @@ problems gained than lost (the reference falls short of it); an arm whose median
 with that same test in its favour is neither (the two differ, in its favour), and is named as ahead."""
 
 
+def standing(median: float, reference: tuple[float, float, float], test: dict | None) -> tuple[str, str]:
+    """(where an arm's median final accuracy sits against the reference's (median, min, max) seed
+    range: 'below', 'inside' or 'above'; what that and the paired `test` against the reference say,
+    MATCH_P: 'matches', 'beats', 'ahead' or 'short' (below the range, or behind on the same problems,
+    or no test))."""
+    where = "below" if median < reference[1] else "above" if median > reference[2] else "inside"
+    if where == "below" or test is None:
+        return where, "short"
+    if test["mcnemar_p"] > MATCH_P:
+        return where, "matches"
+    if test["gained"] > test["lost"]:  # significantly better on the same problems: more than a match
+        return where, "beats" if where == "above" else "ahead"
+    return where, "short"
+
+
 def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: str) -> str | None:
     """'- **Which arms match <reference>**: ...' per arm: median [min, max] final accuracy, below,
     inside or above the reference's seed range, the (pooled) paired p and gained/lost; the arms that match
@@ -298,29 +341,23 @@ def _match_line(arms: dict[str, list[RunFigures]], summaries: dict, reference: s
     ref = summaries.get(reference)
     if ref is None or not math.isfinite(ref["accuracy"][0]):
         return None
-    low, high = ref["accuracy"][1], ref["accuracy"][2]
     matching, beating, ahead, parts = [], [], [], []
     for name, summary in summaries.items():
         if name == reference:
             continue
         tests = _paired_tests(arms, reference, name)
         test = tests.get(POOLED, next(iter(tests.values()), None) if len(tests) == 1 else None)
-        median = summary["accuracy"][0]
-        where = "below" if median < low else "above" if median > high else "inside"
-        if where != "below" and test is not None and test["mcnemar_p"] > MATCH_P:
-            matching.append(name)
-        elif where != "below" and test is not None and test["gained"] > test["lost"]:
-            # significantly better on the same problems: more than a match
-            (beating if where == "above" else ahead).append(name)
+        where, verdict = standing(summary["accuracy"][0], ref["accuracy"], test)
+        {"matches": matching, "beats": beating, "ahead": ahead}.get(verdict, []).append(name)
         p_text = (f"p = {test['mcnemar_p']:.2g}, +{test['gained']:.0f}/-{test['lost']:.0f}" if test is not None
                   else "no paired test")
-        parts.append(f"{name} {_fmt(summary['accuracy'])} ({where}, {p_text})")
+        parts.append(f"{name} {fmt_spread(summary['accuracy'])} ({where}, {p_text})")
     beat_text = (f" Which beat it (median above that range, paired p <= {MATCH_P:g} with more problems gained "
                  f"than lost): {', '.join(beating)}." if beating else "")
     beat_text += (f" Which are inside that range and ahead of it on the same problems (paired p <= {MATCH_P:g}, "
                   f"more gained than lost): {', '.join(ahead)}." if ahead else "")
     return (f"- **Which arms match {reference}** (median final accuracy inside or above {reference}'s seed "
-            f"range {_fmt(ref['accuracy'])} and paired McNemar p > {MATCH_P:g}, pooled over seeds): "
+            f"range {fmt_spread(ref['accuracy'])} and paired McNemar p > {MATCH_P:g}, pooled over seeds): "
             + (", ".join(matching) if matching else "none") + "." + beat_text + " All: " + "; ".join(parts) + ".")
 
 
@@ -328,12 +365,12 @@ def _gate_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str, na
     """The shadow gate against the same recipe's plain and CC arms on the same seeds."""
     gated, plain = summaries[name], summaries[base]
     cc = summaries.get(f"{base}_cc")
-    against_cc = (f"; against {base}_cc (accuracy {_fmt(cc['accuracy'])}, diagnostic {_fmt(cc['overclip'], percent=True)}) "
+    against_cc = (f"; against {base}_cc (accuracy {fmt_spread(cc['accuracy'])}, diagnostic {fmt_spread(cc['overclip'], percent=True)}) "
                   + _paired_text(arms, f"{base}_cc", name) if cc is not None else "")
     return (f"- **{name} (the clip decided on the shadow's ratio) against {base}, same seeds**: diagnostic "
-            f"{_fmt(plain['overclip'], percent=True)} -> {_fmt(gated['overclip'], percent=True)} (its FP8 ratio "
-            f"would have over-clipped {_fmt(gated['overclip_fp8'], percent=True)}); accuracy {_fmt(plain['accuracy'])} -> "
-            f"{_fmt(gated['accuracy'])}; " + _paired_text(arms, base, name) + against_cc + ".")
+            f"{fmt_spread(plain['overclip'], percent=True)} -> {fmt_spread(gated['overclip'], percent=True)} (its FP8 ratio "
+            f"would have over-clipped {fmt_spread(gated['overclip_fp8'], percent=True)}); accuracy {fmt_spread(plain['accuracy'])} -> "
+            f"{fmt_spread(gated['accuracy'])}; " + _paired_text(arms, base, name) + against_cc + ".")
 
 
 BF16_SUFFIX = "_bf16"
@@ -347,8 +384,8 @@ def _on_bf16_line(arms: dict[str, list[RunFigures]], summaries: dict, base: str,
     beside it), the length limit, accuracy and the paired test."""
     on_bf16, plain = summaries[name], summaries[base]
     return (f"- **{name} (the same FP8 recipe on a bf16 trainer: FP8 GEMMs, bf16 elsewhere) against {base} "
-            f"(float32 outside its GEMMs), same seeds**: diagnostic {_fmt(plain['overclip'], percent=True)} -> "
-            f"{_fmt(on_bf16['overclip'], percent=True)} (its shadow is the bf16 forward); rollout/trainer "
+            f"(float32 outside its GEMMs), same seeds**: diagnostic {fmt_spread(plain['overclip'], percent=True)} -> "
+            f"{fmt_spread(on_bf16['overclip'], percent=True)} (its shadow is the bf16 forward); rollout/trainer "
             + _mismatch_to_paired_text(arms, summaries, base, name, reference))
 
 
@@ -360,11 +397,11 @@ def _mismatch_to_paired_text(arms: dict[str, list[RunFigures]], summaries: dict,
     the tail of the `_bf16` and `_tis` lines."""
     plain, remedy = summaries[base], summaries[name]
     ref = summaries.get(reference)
-    yardstick = f"; {reference} {_fmt(ref['mismatch'], digits=4)}" if ref is not None else ""
-    return (f"mismatch {_fmt(plain['mismatch'], digits=4)} -> {_fmt(remedy['mismatch'], digits=4)} (mean |Δ log p| "
-            f"a token{yardstick}); cut at the length limit {_fmt(plain['truncated'], percent=True)} -> "
-            f"{_fmt(remedy['truncated'], percent=True)}; accuracy {_fmt(plain['accuracy'])} -> "
-            f"{_fmt(remedy['accuracy'])}; " + _paired_text(arms, base, name) + ".")
+    yardstick = f"; {reference} {fmt_spread(ref['mismatch'], digits=4)}" if ref is not None else ""
+    return (f"mismatch {fmt_spread(plain['mismatch'], digits=4)} -> {fmt_spread(remedy['mismatch'], digits=4)} (mean |Δ log p| "
+            f"a token{yardstick}); cut at the length limit {fmt_spread(plain['truncated'], percent=True)} -> "
+            f"{fmt_spread(remedy['truncated'], percent=True)}; accuracy {fmt_spread(plain['accuracy'])} -> "
+            f"{fmt_spread(remedy['accuracy'])}; " + _paired_text(arms, base, name) + ".")
 
 
 TIS_SUFFIX = "_tis"
@@ -396,8 +433,8 @@ def _probe_lines(arms: dict[str, list[RunFigures]], summaries: dict, references:
             if name == refs[0]:
                 continue
             plain = [family[base] for base in family if arm.startswith(f"{base}_")]
-            parts.append(f"{name} {_fmt(summaries[name]['accuracy'])}: " + "; ".join(
-                f"{_paired_text(arms, other, name)} ({other} {_fmt(summaries[other]['accuracy'])})"
+            parts.append(f"{name} {fmt_spread(summaries[name]['accuracy'])}: " + "; ".join(
+                f"{_paired_text(arms, other, name)} ({other} {fmt_spread(summaries[other]['accuracy'])})"
                 for other in [ref for ref in refs if ref != name] + plain))
         if parts:
             lines.append(f"- **Probe `{suffix}`, against its own references on the same seeds** (a probe changes the "
@@ -411,15 +448,15 @@ def _limits_text(summary: dict[str, tuple[float, float, float]]) -> str:
     low, high = summary["low_at_limit"], summary["high_at_limit"]
     if not math.isfinite(low[0]):
         return ""
-    return f"; L at a limit on {_fmt(low, percent=True)} of steps, H on {_fmt(high, percent=True)}"
+    return f"; L at a limit on {fmt_spread(low, percent=True)} of steps, H on {fmt_spread(high, percent=True)}"
 
 
 def _collapse_line(arms: dict[str, list[RunFigures]]) -> str:
     """Which arms' reward collapsed (last `TAIL` steps under REWARD_COLLAPSE x the first), in how many seeds."""
     counts = {name: sum(r.values["collapsed"] > 0 for r in runs) for name, runs in arms.items()}
     hit = [f"{name} ({count} of {len(arms[name])} seeds)" for name, count in counts.items() if count]
-    rewards = ", ".join(f"{name} {_fmt(spread([r.values['reward_first'] for r in runs]))} -> "
-                        f"{_fmt(spread([r.values['reward'] for r in runs]))}" for name, runs in arms.items())
+    rewards = ", ".join(f"{name} {fmt_spread(spread([r.values['reward_first'] for r in runs]))} -> "
+                        f"{fmt_spread(spread([r.values['reward'] for r in runs]))}" for name, runs in arms.items())
     return (f"- **Reward collapse** (mean reward of the last {TAIL} steps under {REWARD_COLLAPSE:g}x the first "
             f"{TAIL}): " + (", ".join(hit) if hit else "no arm") + f". Reward first -> last: {rewards}.")
 
@@ -433,18 +470,26 @@ def _paired_text(arms: dict[str, list[RunFigures]], reference: str, name: str) -
     return f"vs {reference} on the same problems: " + "; ".join(parts)
 
 
+def seed_pairs(arms: dict[str, list[RunFigures]], reference: str, name: str) -> list[tuple[RunFigures, RunFigures]]:
+    """(reference run, arm `name`'s run) for each seed both ran with per-problem results on the same problems."""
+    refs = {r.seed: r for r in arms.get(reference, [])}
+    return [(refs[run.seed], run) for run in arms.get(name, [])
+            if run.seed in refs and paired_against(refs[run.seed], run) is not None]
+
+
+def pooled_test(pairs: list[tuple[RunFigures, RunFigures]]) -> dict[str, float]:
+    """One McNemar over every pair's problems together: each run against its own reference run."""
+    return paired_eval_change([bool(c) for ref, _ in pairs for c in ref.eval_final],
+                              [bool(c) for _, run in pairs for c in run.eval_final])
+
+
 def _paired_tests(arms: dict[str, list[RunFigures]], reference: str, name: str) -> dict[str, dict]:
     """seed -> McNemar of arm `name`'s last eval against the reference arm's, same seed; with two
     or more such seeds also POOLED -> the same test over all their problems together."""
-    refs = {r.seed: r for r in arms.get(reference, [])}
-    out, pairs = {}, []
-    for run in arms.get(name, []):
-        if run.seed in refs and (test := paired_against(refs[run.seed], run)) is not None:
-            out[run.seed] = test
-            pairs.append((refs[run.seed], run))
+    pairs = seed_pairs(arms, reference, name)
+    out = {run.seed: paired_against(ref, run) for ref, run in pairs}
     if len(pairs) > 1:  # one McNemar over every seed's problems: seed s's run against the reference's seed s
-        out[POOLED] = paired_eval_change([bool(c) for ref, _ in pairs for c in ref.eval_final],
-                                         [bool(c) for _, run in pairs for c in run.eval_final])
+        out[POOLED] = pooled_test(pairs)
     return out
 
 
@@ -460,14 +505,14 @@ def _table(arms: dict[str, list[RunFigures]], references: tuple[str, ...]) -> li
     lines = ["| arm | " + " | ".join(header) + " |", "|" + "---|" * (len(header) + 1)]
     for name, runs in arms.items():
         s = arm_summary(runs)
-        pooled = _fmt(s["overclip_pooled"], True)
+        pooled = fmt_spread(s["overclip_pooled"], True)
         if math.isfinite(s["overclip_pooled"][0]):
-            pooled += f" ({_fmt(s['neg_values'], digits=0)})"
-        cells = [str(len(runs)), _fmt(s["overclip"], True), pooled, _fmt(s["clip_low"], True), _fmt(s["noise_q01"]),
-                 f"{_fmt(s['entropy_first'])} → {_fmt(s['entropy_last'])}", _fmt(s["no_number"], True),
-                 _fmt(s["repetitive"], True), _fmt(s["length"], digits=1), _fmt(s["truncated"], True),
-                 f"{_fmt(s['reward_first'])} → {_fmt(s['reward'])}",
-                 f"{_fmt(s['accuracy_start'])} → {_fmt(s['accuracy'])}"]
+            pooled += f" ({fmt_spread(s['neg_values'], digits=0)})"
+        cells = [str(len(runs)), fmt_spread(s["overclip"], True), pooled, fmt_spread(s["clip_low"], True), fmt_spread(s["noise_q01"]),
+                 f"{fmt_spread(s['entropy_first'])} → {fmt_spread(s['entropy_last'])}", fmt_spread(s["no_number"], True),
+                 fmt_spread(s["repetitive"], True), fmt_spread(s["length"], digits=1), fmt_spread(s["truncated"], True),
+                 f"{fmt_spread(s['reward_first'])} → {fmt_spread(s['reward'])}",
+                 f"{fmt_spread(s['accuracy_start'])} → {fmt_spread(s['accuracy'])}"]
         for reference in references:
             tests = _paired_tests(arms, reference, name) if name != reference else {}
             cells.append(", ".join(f"{'all: ' if seed == POOLED else ''}+{int(t['gained'])}/−{int(t['lost'])} "
@@ -544,15 +589,21 @@ def arm_figures(runs: dict[str, dict[str, Path]]) -> dict[str, list[RunFigures]]
     return {arm: [run_figures(d, arm, seed) for seed, d in seeds.items()] for arm, seeds in runs.items()}
 
 
+def kept_arms(figures: dict[str, list[RunFigures]]) -> dict[str, list[RunFigures]]:
+    """The runs a report reads: those whose model moved (`never_updated` runs measure nothing)."""
+    return {arm: kept for arm, found in figures.items() if (kept := [f for f in found if not f.never_updated])}
+
+
 def write_study_report(runs: dict[str, dict[str, Path]], out_dir: Path, reference: str, preamble: str,
-                       wall_seconds: dict[str, float] | None = None, also_against: tuple[str, ...] = ()) -> Path:
+                       wall_seconds: dict[str, float] | None = None, also_against: tuple[str, ...] = (),
+                       figures: dict[str, list[RunFigures]] | None = None) -> Path:
     """report.md + curves.png + accuracy.png in `out_dir` from {arm: {seed: run_dir}} (finished
-    runs only), every arm compared with `reference` and, where they have runs, with the arms of
-    `also_against`; returns report.md's path."""
+    runs only; `figures`: their arm_figures when already read), every arm compared with `reference`
+    and, where they have runs, with the arms of `also_against`; returns report.md's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = arm_figures(runs)
+    figures = arm_figures(runs) if figures is None else figures
     stuck = [f"{f.arm}/seed{f.seed}" for found in figures.values() for f in found if f.never_updated]
-    arms = {arm: kept for arm, found in figures.items() if (kept := [f for f in found if not f.never_updated])}
+    arms = kept_arms(figures)
     curves = _curves_figure(arms, out_dir / "curves.png")
     accuracy = _accuracy_figure(arms, out_dir / "accuracy.png")
     excluded = ([f"- **Excluded**: {', '.join(stuck)}: train/grad_norm was 0 on every step (the model never "

@@ -3,6 +3,7 @@
 reference arm, the verdict, the PNGs."""
 import json
 import math
+import time
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
@@ -329,3 +330,15 @@ def test_a_probe_is_compared_with_the_references_that_have_the_same_change(tmp_p
     assert "groupwise32_low_lr 0.900: vs bf16_low_lr on the same problems: seed 1: 3 gained / 0 lost" in line
     del runs["bf16_low_lr"], runs["float32_low_lr"]
     assert not [line for line in verdict_lines(arm_figures(runs), "bf16", ("float32",)) if line.startswith("- **Probe")]
+
+
+def test_a_runs_step_time_sums_its_phases_and_its_start_comes_from_its_event_file(tmp_path):
+    """s/step: rollout + advantages + recompute + train + sync of each step (evals apart), averaged over
+    steps; `started`: the unix time tensorboard wrote into the event file's name when the run began."""
+    before = time.time()
+    phases = {"time/rollout_s": [10.0, 12.0], "time/advantages_s": [0.0, 0.0], "time/recompute_s": [4.0, 4.0],
+              "time/train_s": [20.0, 30.0], "time/sync_s": [1.0, 1.0], "time/eval_s": [99.0, 99.0]}
+    figures = run_figures(_run(tmp_path / "r", {**_scalars(steps=2), **phases}, {0: [0, 1], 2: [1, 1]}), "a", "1")
+    assert figures.values["step_s"] == pytest.approx((35.0 + 47.0) / 2)
+    assert before - 1 <= figures.started <= time.time()
+    assert math.isnan(run_figures(_run(tmp_path / "s", _scalars(steps=2), {0: [0, 1]}), "a", "1").values["step_s"])
