@@ -9,6 +9,7 @@ study itself lives in megatron_fp8rl/report/study.py (so the installed CLI has i
     python bench/stability.py --quick --model DIR               # smoke: 2 tiny steps per run
     python bench/stability.py --add mine:algorithm.correction=mis --set train.lr=5e-5
     python bench/stability.py --regime moderate2 --report-only  # the report of the finished runs
+    python bench/stability.py --verdict                         # every regime's report, results/stability_v3/verdict.md
 
 Regimes: harsh (v2's: 2 prompts x 8 samples, lr 3e-5, 30 steps; results/stability), moderate2 and
 moderate4 (8 x 8 at temperature 1, lr 1e-5, 12 steps, 2 or 4 mini-batches;
