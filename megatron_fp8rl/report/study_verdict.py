@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_fp8rl.fp8.serving import RolloutFp8
 from megatron_fp8rl.report.study_report import (
     MATCH_P, OVERCLIP_THRESHOLD, RunFigures, arm_summary, fmt_spread, pooled_test, seed_pairs, standing,
 )
@@ -33,8 +34,9 @@ def arm_kind(overrides: tuple[str, ...], probe_overrides: tuple[str, ...]) -> Ar
     """An arm's kind from its `train` overrides ('key=value'); `probe_overrides`: those that change the job."""
     values = dict(o.split("=", 1) for o in overrides)
     fp8 = any(values.get(key, "none") != "none" for key in ("model.fp8", "rollout.fp8"))
+    aligned = RolloutFp8(values.get("rollout.fp8", "none")) is RolloutFp8.ALIGNED
     return ArmKind(fp8=fp8, probe=any(o in overrides for o in probe_overrides),
-                   aligned_float32=values.get("rollout.fp8") == "aligned" and values.get("model.dtype") != "bfloat16")
+                   aligned_float32=aligned and values.get("model.dtype") != "bfloat16")
 
 
 Regimes = dict[str, dict[str, list[RunFigures]]]
