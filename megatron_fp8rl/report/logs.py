@@ -7,6 +7,7 @@ Must not import: trainer code (it reads files; the tag names are the interface).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,9 @@ class RunLogs:
     """Held-out problems per greedy eval (config.yaml data.eval_size; None when absent)."""
     texts: dict[str, dict[int, str]] = field(default_factory=dict)
     """tag -> {step: text} of the run's tensorboard text (samples/responses, reward/first_error)."""
+    started: float = math.nan
+    """Unix time in the name of the run's first event file (events.out.tfevents.<time>.<host>...):
+    when its training began, so which code made it (NaN when no name carries one)."""
 
     def get(self, tag: str) -> Series | None:
         return self.scalars.get(tag)
@@ -74,6 +78,12 @@ def _tensorboard_dir(run_dir: Path) -> Path:
         return run_dir
     raise ReportError(f"{run_dir}: no tensorboard logs (expected {run_dir / 'tb'} with "
                       "events.out.tfevents.* files, as `megatron-fp8rl train` writes)")
+
+
+def _started(tb_dir: Path) -> float:
+    stamps = [int(part[3]) for f in tb_dir.glob("events.out.tfevents.*")
+              if len(part := f.name.split(".")) > 3 and part[3].isdigit()]
+    return float(min(stamps)) if stamps else math.nan
 
 
 def _read_events(tb_dir: Path) -> tuple[dict[str, Series], dict[str, dict[int, str]]]:
@@ -112,7 +122,8 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunLogs:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: run directory does not exist")
-    scalars, texts = _read_events(_tensorboard_dir(run_dir))
+    tb_dir = _tensorboard_dir(run_dir)
+    scalars, texts = _read_events(tb_dir)
     if not scalars:
         raise ReportError(f"{run_dir}: tensorboard logs hold no scalars yet")
     summary_path = run_dir / "summary.json"
@@ -120,4 +131,4 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunLogs:
     config = _config(run_dir)
     eval_size = (config.get("data") or {}).get("eval_size")
     return RunLogs(name or run_dir.resolve().name, run_dir, scalars, _settings(config), summary,
-                   eval_size if isinstance(eval_size, int) else None, texts)
+                   eval_size if isinstance(eval_size, int) else None, texts, _started(tb_dir))

@@ -434,7 +434,7 @@ def run_study(args: argparse.Namespace) -> int:
     study_dir = Path(args.study_dir or REPO / regime.study_dir)
     study_dir.mkdir(parents=True, exist_ok=True)
     timings_path = study_dir / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    timings = _timings(study_dir)
     plan = runs_of(settings, seeds)
     failed = [] if args.report_only else _train(plan, study_dir, model, sizes, args, timings, timings_path,
                                                 regime.common)
@@ -465,9 +465,7 @@ def run_verdict() -> int:
     figures, kinds = {}, {}
     for name, regime in REGIMES.items():
         study_dir = REPO / regime.study_dir
-        timings_path = study_dir / "timings.json"
-        timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
-        figures[name] = _report(list(regime.arms), SEEDS, study_dir, timings, regime)
+        figures[name] = _report(list(regime.arms), SEEDS, study_dir, _timings(study_dir), regime)
         kinds.update({arm.name: arm_kind(arm.overrides, FROZEN_NORMS + LOW_LR) for arm in regime.arms})
     about = " ".join(f"{name}: {regime.about}" for name, regime in REGIMES.items())
     preamble = (f"From the committed runs of each regime ({about}) by `megatron-fp8rl stability --verdict` "
@@ -479,6 +477,12 @@ def run_verdict() -> int:
                         remedies=REMEDIES, preamble=preamble)
     print(f"[stability] verdict: {out}")
     return 0
+
+
+def _timings(study_dir: Path) -> dict[str, float]:
+    """<study_dir>/timings.json: seconds each run took, by '<arm>/seed<k>' ({} before the first)."""
+    path = study_dir / "timings.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _finished(run_dir: Path) -> bool:

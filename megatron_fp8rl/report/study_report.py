@@ -190,22 +190,21 @@ def run_figures(run_dir: Path, arm: str, seed: str) -> RunFigures:
     last = (max(shown), shown[max(shown)]) if shown else None
     grad_norm = _series(run, "train/grad_norm")
     return RunFigures(arm, seed, values, curves, eval_final, last,
-                      never_updated=grad_norm is not None and not grad_norm[1].any(), started=_started(Path(run_dir)))
-
-
-def _started(run_dir: Path) -> float:
-    """The unix time in the name of the run's first tensorboard event file (events.out.tfevents.<time>.<host>...)."""
-    stamps = [int(part[3]) for f in (run_dir / "tb").glob("events.out.tfevents.*")
-              if len(part := f.name.split(".")) > 3 and part[3].isdigit()]
-    return float(min(stamps)) if stamps else math.nan
+                      never_updated=grad_norm is not None and not grad_norm[1].any(), started=run.started)
 
 
 def paired_against(reference: RunFigures, run: RunFigures) -> dict[str, float] | None:
     """McNemar on the last eval of `run` against `reference` on the same problems: gained = right
     in `run` and wrong in the reference. None when either has no per-problem record."""
-    if reference.eval_final is None or run.eval_final is None or len(reference.eval_final) != len(run.eval_final):
+    if not _same_problems(reference, run):
         return None
     return paired_eval_change([bool(c) for c in reference.eval_final], [bool(c) for c in run.eval_final])
+
+
+def _same_problems(reference: RunFigures, run: RunFigures) -> bool:
+    """Whether both runs recorded per-problem results of their last eval on as many problems."""
+    return (reference.eval_final is not None and run.eval_final is not None
+            and len(reference.eval_final) == len(run.eval_final))
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -474,7 +473,7 @@ def seed_pairs(arms: dict[str, list[RunFigures]], reference: str, name: str) -> 
     """(reference run, arm `name`'s run) for each seed both ran with per-problem results on the same problems."""
     refs = {r.seed: r for r in arms.get(reference, [])}
     return [(refs[run.seed], run) for run in arms.get(name, [])
-            if run.seed in refs and paired_against(refs[run.seed], run) is not None]
+            if run.seed in refs and _same_problems(refs[run.seed], run)]
 
 
 def pooled_test(pairs: list[tuple[RunFigures, RunFigures]]) -> dict[str, float]:
