@@ -547,7 +547,8 @@ def _report(settings: list[Setting], seeds: tuple[int, ...], study_dir: Path, ti
         return {}
     # matplotlib: only when reporting
     from megatron_fp8rl.report.markdown import write_report
-    from megatron_fp8rl.report.study_report import arm_figures, kept_arms, write_study_report
+    from megatron_fp8rl.report.study_figures import arm_figures, kept_arms
+    from megatron_fp8rl.report.study_report import write_study_report
 
     figures = arm_figures(finished)
     report = write_study_report(finished, study_dir / "report", REFERENCE, preamble(regime),

@@ -3,7 +3,7 @@ every arm of the original jobs side by side over the regimes, and each remedy ag
 pooled over seeds and regimes.
 
 Owns: `write_verdict` (verdict.md) and its parts. Input: {regime: {arm: [RunFigures]}} (the runs each
-regime's report kept, study_report.arm_figures) and what each arm is (`ArmKind`, from the study's
+regime's report kept, study_figures.arm_figures) and what each arm is (`ArmKind`, from the study's
 settings). Reads no logs itself and must not import trainer code.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_fp8rl.fp8.serving import RolloutFp8
-from megatron_fp8rl.report.study_report import (
+from megatron_fp8rl.report.study_figures import (
     MATCH_P, OVERCLIP_THRESHOLD, RunFigures, arm_summary, fmt_spread, pooled_test, seed_pairs, standing,
 )
 

@@ -1,37 +1,16 @@
 """The stability study's report from run directories written the way `train` writes them
-(tensorboard scalars, eval_correct.json): per-arm figures over seeds, paired tests against the
-reference arm, the verdict, the PNGs."""
-import json
+(tensorboard scalars, eval_correct.json): the verdict, the paired tests against the reference arm,
+the table, the PNGs. (Each run's own figures: test_study_figures.py.)"""
 import math
-import time
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from megatron_fp8rl.report.study_report import arm_figures, run_figures, verdict_lines, write_study_report
+from megatron_fp8rl.report.study_figures import arm_figures, run_figures
+from megatron_fp8rl.report.study_report import verdict_lines, write_study_report
 from megatron_fp8rl.rl.metrics import paired_eval_change
 from tests.helpers.png import assert_png
-
-
-def _run(path, scalars: dict[str, list[float]], evals: dict[int, list[int]]):
-    writer = SummaryWriter(str(path / "tb"))
-    for tag, values in scalars.items():
-        for step, value in enumerate(values, 1):
-            writer.add_scalar(tag, value, step)
-    writer.close()
-    (path / "eval_correct.json").write_text(json.dumps({str(k): v for k, v in evals.items()}))
-    return path
-
-
-def _scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8, reward=None, truncated=0.0):
-    out = {"train/entropy": [1.0] * (steps - 5) + [entropy_end] * 5, "reward/mean": reward or [0.2] * steps,
-           "response/no_number_frac": [no_number] * steps, "response/repetitive_frac": [0.0] * steps,
-           "response/length_mean": [10.0] * steps, "train/clip_frac_low": [0.01] * steps,
-           "response/truncated_frac": [truncated] * steps}
-    if overclip is not None:
-        out["clip/neg_overclip_before"] = overclip
-        out["clip/neg_overclip_after"] = [v / 2 for v in overclip]
-    return out
+from tests.helpers.study_runs import run_scalars, write_run
 
 
 def _mismatch(value, steps=8):
@@ -43,23 +22,14 @@ def study(tmp_path):
     ref_eval = [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]
     bad_eval = [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]  # 3 lost against the reference
     runs = {
-        "bf16": {"1": _run(tmp_path / "r1", _scalars(), {0: [0] * 10, 8: ref_eval}),
-                 "2": _run(tmp_path / "r2", _scalars(), {0: [0] * 10, 8: ref_eval})},
-        "tensorwise": {"1": _run(tmp_path / "t1", _scalars([0.05] * 8, entropy_end=2.0, no_number=0.3), {8: bad_eval}),
-                       "2": _run(tmp_path / "t2", _scalars([0.03] * 8, entropy_end=1.8, no_number=0.3), {8: bad_eval})},
-        "tensorwise_cc": {"1": _run(tmp_path / "c1", {**_scalars([0.002] * 8), "clip/low_at_limit": [1.0] * 6 + [0.0] * 2,
+        "bf16": {"1": write_run(tmp_path / "r1", run_scalars(), {0: [0] * 10, 8: ref_eval}),
+                 "2": write_run(tmp_path / "r2", run_scalars(), {0: [0] * 10, 8: ref_eval})},
+        "tensorwise": {"1": write_run(tmp_path / "t1", run_scalars([0.05] * 8, entropy_end=2.0, no_number=0.3), {8: bad_eval}),
+                       "2": write_run(tmp_path / "t2", run_scalars([0.03] * 8, entropy_end=1.8, no_number=0.3), {8: bad_eval})},
+        "tensorwise_cc": {"1": write_run(tmp_path / "c1", {**run_scalars([0.002] * 8), "clip/low_at_limit": [1.0] * 6 + [0.0] * 2,
                                                      "clip/high_at_limit": [0.0] * 8}, {8: ref_eval})},
     }
     return tmp_path, runs
-
-
-def test_run_figures_read_the_logs(study):
-    _, runs = study
-    figures = run_figures(runs["tensorwise"]["1"], "tensorwise", "1")
-    assert figures.values["overclip"] == pytest.approx(0.05)
-    assert figures.values["entropy_first"] == 1.0 and figures.values["entropy_drift"] == pytest.approx(2.0)
-    assert figures.values["no_number"] == pytest.approx(0.3) and figures.values["accuracy"] == pytest.approx(0.1)
-    assert math.isnan(run_figures(runs["bf16"]["1"], "bf16", "1").values["overclip"])  # no FP8 ratio
 
 
 def test_verdict_names_the_overclipping_arm_and_the_paired_tests(study):
@@ -96,8 +66,8 @@ def test_reward_collapse_is_named_without_any_entropy_surge(tmp_path):
     did: no entropy surge, no non-numeric output, reward 0.26 -> 0) is a failure the verdict names."""
     falling = [0.4, 0.3, 0.3, 0.2, 0.2, 0.1, 0.1, 0.1, 0.0, 0.0]  # first 5: 0.28, last 5: 0.06
     steady = [0.3] * 10
-    runs = {"bf16": {"1": _run(tmp_path / "r", _scalars(steps=10, reward=steady), {10: [1, 0]})},
-            "tensorwise": {"1": _run(tmp_path / "t", _scalars([0.05] * 10, steps=10, reward=falling, truncated=0.9),
+    runs = {"bf16": {"1": write_run(tmp_path / "r", run_scalars(steps=10, reward=steady), {10: [1, 0]})},
+            "tensorwise": {"1": write_run(tmp_path / "t", run_scalars([0.05] * 10, steps=10, reward=falling, truncated=0.9),
                                      {10: [0, 0]})}}
     arms = arm_figures(runs)
     figures = arms["tensorwise"][0].values
@@ -128,12 +98,12 @@ def test_report_shows_what_each_arm_writes_at_the_end(tmp_path):
 def test_diagnostic_pooled_over_negative_values_weights_each_step_by_its_count(tmp_path):
     """A step whose share is of 3 A<0 values weighs 3/93 of the pooled figure, not half of it; a run
     logged without clip/neg_values has no pooled figure."""
-    scalars = _scalars([0.0, 1 / 3] + [math.nan] * 6)
+    scalars = run_scalars([0.0, 1 / 3] + [math.nan] * 6)
     scalars["clip/neg_values"] = [90.0, 3.0] + [0.0] * 6
-    run = run_figures(_run(tmp_path / "t", scalars, {8: [1, 0]}), "tensorwise", "1")
+    run = run_figures(write_run(tmp_path / "t", scalars, {8: [1, 0]}), "tensorwise", "1")
     assert run.values["overclip"] == pytest.approx(1 / 6)  # mean over the 2 measured steps
     assert run.values["overclip_pooled"] == pytest.approx(1 / 93) and run.values["neg_values"] == 93
-    old = run_figures(_run(tmp_path / "o", _scalars([0.05] * 8), {8: [1, 0]}), "tensorwise", "1")
+    old = run_figures(write_run(tmp_path / "o", run_scalars([0.05] * 8), {8: [1, 0]}), "tensorwise", "1")
     assert math.isnan(old.values["overclip_pooled"])
     runs = {"tensorwise": {"1": tmp_path / "t"}, "tensorwise_cc": {"1": tmp_path / "o"}}
     report = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
@@ -146,7 +116,7 @@ def test_verdict_says_which_arms_match_the_reference_and_what_a_remedy_changes_a
     seed range and the paired McNemar has p > 0.05; a `<arm>_cc_<rule>` remedy is set against `<arm>_cc`
     on the same seeds."""
     tmp_path, runs = study
-    runs["tensorwise_cc_noise"] = {"1": _run(tmp_path / "n1", {**_scalars([0.001] * 8), "clip/low_at_limit": [0.0] * 8,
+    runs["tensorwise_cc_noise"] = {"1": write_run(tmp_path / "n1", {**run_scalars([0.001] * 8), "clip/low_at_limit": [0.0] * 8,
                                                                "clip/high_at_limit": [0.0] * 8},
                                              {8: [1, 0, 1, 0, 1, 0, 1, 0, 1, 1]})}
     arms = arm_figures(runs)
@@ -169,8 +139,8 @@ def test_a_run_that_never_updated_is_excluded_and_named(study):
     """train/grad_norm 0 on every step: the model never moved (the bf16 shadow defect), so the run
     is left out of every figure and the verdict names it; a run with one non-zero step stays."""
     tmp_path, runs = study
-    runs["bf16"]["3"] = _run(tmp_path / "r3", {**_scalars(), "train/grad_norm": [0.0] * 8}, {0: [0] * 10, 8: [1] * 10})
-    runs["bf16"]["4"] = _run(tmp_path / "r4", {**_scalars(), "train/grad_norm": [0.0] * 7 + [0.5]}, {0: [0] * 10, 8: [0] * 10})
+    runs["bf16"]["3"] = write_run(tmp_path / "r3", {**run_scalars(), "train/grad_norm": [0.0] * 8}, {0: [0] * 10, 8: [1] * 10})
+    runs["bf16"]["4"] = write_run(tmp_path / "r4", {**run_scalars(), "train/grad_norm": [0.0] * 7 + [0.5]}, {0: [0] * 10, 8: [0] * 10})
     text = write_study_report(runs, tmp_path / "report", "bf16", "preamble").read_text()
     assert "- **Excluded**: bf16/seed3: train/grad_norm was 0 on every step" in text
     assert "| bf16 | 3 |" in text  # seeds 1, 2 and 4: seed 3 is in no figure
@@ -182,8 +152,8 @@ def test_an_arm_significantly_better_than_the_reference_is_said_to_beat_it(study
     against it (more lost) is neither."""
     tmp_path, runs = study
     good, ref_eval = [1] * 10, [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]  # 6 gained against the reference per seed
-    runs["better"] = {seed: _run(tmp_path / f"b{seed}", _scalars([0.001] * 8), {8: good}) for seed in ("1", "2")}
-    runs["worse"] = {seed: _run(tmp_path / f"w{seed}", _scalars([0.001] * 8), {8: [0] * 10}) for seed in ("1", "2")}
+    runs["better"] = {seed: write_run(tmp_path / f"b{seed}", run_scalars([0.001] * 8), {8: good}) for seed in ("1", "2")}
+    runs["worse"] = {seed: write_run(tmp_path / f"w{seed}", run_scalars([0.001] * 8), {8: [0] * 10}) for seed in ("1", "2")}
     arms = arm_figures(runs)
     match = next(line for line in verdict_lines(arms, "bf16") if line.startswith("- **Which arms match bf16**"))
     p = paired_eval_change([bool(c) for c in ref_eval] * 2, [True] * 20)["mcnemar_p"]
@@ -198,10 +168,10 @@ def test_an_arm_inside_the_reference_range_but_ahead_on_the_same_problems_is_nam
     (p <= 0.05): not a match (the two differ) and not a win by the range, so neither list holds it;
     the verdict names it as ahead instead of leaving it out of both."""
     tmp_path, runs = study
-    runs["bf16"] = {"1": _run(tmp_path / "r1", _scalars(), {8: [1, 1] + [0] * 8}),
-                    "2": _run(tmp_path / "r2", _scalars(), {8: [1] * 9 + [0]})}  # range [0.2, 0.9]
-    runs["ahead"] = {"1": _run(tmp_path / "a1", _scalars([0.001] * 8), {8: [1] * 8 + [0] * 2}),  # +6/-0
-                     "2": _run(tmp_path / "a2", _scalars([0.001] * 8), {8: [1] * 9 + [0]})}  # +0/-0
+    runs["bf16"] = {"1": write_run(tmp_path / "r1", run_scalars(), {8: [1, 1] + [0] * 8}),
+                    "2": write_run(tmp_path / "r2", run_scalars(), {8: [1] * 9 + [0]})}  # range [0.2, 0.9]
+    runs["ahead"] = {"1": write_run(tmp_path / "a1", run_scalars([0.001] * 8), {8: [1] * 8 + [0] * 2}),  # +6/-0
+                     "2": write_run(tmp_path / "a2", run_scalars([0.001] * 8), {8: [1] * 9 + [0]})}  # +0/-0
     match = next(line for line in verdict_lines(arm_figures(runs), "bf16")
                  if line.startswith("- **Which arms match bf16**"))
     assert "ahead 0.850 [0.800, 0.900] (inside, p = 0.031, +6/-0)" in match
@@ -218,7 +188,7 @@ def test_every_arm_is_also_compared_with_the_float32_reference(study):
     without = write_study_report(runs, tmp_path / "without", "bf16", "preamble", also_against=("float32",)).read_text()
     assert "match float32" not in without and "paired vs float32" not in without
     good = [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]  # bf16 gets 4 of 10 (ref_eval): 4 more here, none fewer
-    runs["float32"] = {seed: _run(tmp_path / f"f{seed}", _scalars(), {8: good}) for seed in ("1", "2")}
+    runs["float32"] = {seed: write_run(tmp_path / f"f{seed}", run_scalars(), {8: good}) for seed in ("1", "2")}
     text = write_study_report(runs, tmp_path / "with", "bf16", "preamble", also_against=("float32",)).read_text()
     match = next(line for line in text.splitlines() if line.startswith("- **Which arms match float32**"))
     p_bf16 = paired_eval_change([bool(c) for c in good] * 2, [bool(c) for c in [1, 0, 1, 0, 1, 0, 1, 0, 0, 0]] * 2)
@@ -233,10 +203,10 @@ def test_the_fp8_noise_quantile_is_each_runs_median_over_steps(tmp_path):
     """noise_q01: the median over steps of clip/fp8_noise_q0.01 per run, its spread over seeds in
     the table's 'FP8 noise q0.01' column; n/a for an arm that did not log it (bf16)."""
     evals = {0: [0] * 10, 8: [1] * 5 + [0] * 5}
-    noisy = [{**_scalars([0.05] * 8), "clip/fp8_noise_q0.01": [-0.3] * 3 + [-0.6] * 5},
-             {**_scalars([0.05] * 8), "clip/fp8_noise_q0.01": [-0.2] * 5 + [-0.9] * 3}]
-    runs = {"bf16": {"1": _run(tmp_path / "b1", _scalars(), evals), "2": _run(tmp_path / "b2", _scalars(), evals)},
-            "groupwise32": {str(seed): _run(tmp_path / f"g{seed}", scalars, evals)
+    noisy = [{**run_scalars([0.05] * 8), "clip/fp8_noise_q0.01": [-0.3] * 3 + [-0.6] * 5},
+             {**run_scalars([0.05] * 8), "clip/fp8_noise_q0.01": [-0.2] * 5 + [-0.9] * 3}]
+    runs = {"bf16": {"1": write_run(tmp_path / "b1", run_scalars(), evals), "2": write_run(tmp_path / "b2", run_scalars(), evals)},
+            "groupwise32": {str(seed): write_run(tmp_path / f"g{seed}", scalars, evals)
                             for seed, scalars in enumerate(noisy, 1)}}
     assert run_figures(runs["groupwise32"]["1"], "groupwise32", "1").values["noise_q01"] == pytest.approx(-0.6)
     assert run_figures(runs["groupwise32"]["2"], "groupwise32", "2").values["noise_q01"] == pytest.approx(-0.2)
@@ -253,10 +223,10 @@ def test_the_gate_arm_is_compared_with_its_plain_and_cc_arms(tmp_path):
     FP8 ratio would have over-clipped (clip/neg_overclip_fp8), accuracy and the paired tests against
     the plain and the CC arm on the same seeds."""
     plain_eval, better = [1] * 4 + [0] * 6, [1] * 8 + [0] * 2
-    runs = {"bf16": {"1": _run(tmp_path / "b1", _scalars(), {0: [0] * 10, 8: plain_eval})},
-            "groupwise32": {"1": _run(tmp_path / "p1", _scalars([0.08] * 8), {8: plain_eval})},
-            "groupwise32_cc": {"1": _run(tmp_path / "c1", _scalars([0.02] * 8), {8: plain_eval})},
-            "groupwise32_gate": {"1": _run(tmp_path / "g1", {**_scalars([0.0] * 8), "clip/neg_overclip_fp8": [0.06] * 8},
+    runs = {"bf16": {"1": write_run(tmp_path / "b1", run_scalars(), {0: [0] * 10, 8: plain_eval})},
+            "groupwise32": {"1": write_run(tmp_path / "p1", run_scalars([0.08] * 8), {8: plain_eval})},
+            "groupwise32_cc": {"1": write_run(tmp_path / "c1", run_scalars([0.02] * 8), {8: plain_eval})},
+            "groupwise32_gate": {"1": write_run(tmp_path / "g1", {**run_scalars([0.0] * 8), "clip/neg_overclip_fp8": [0.06] * 8},
                                            {8: better})}}
     lines = "\n".join(verdict_lines(arm_figures(runs), "bf16"))
     line = next(x for x in lines.splitlines() if x.startswith("- **groupwise32_gate"))
@@ -270,11 +240,11 @@ def test_the_recipe_on_a_bf16_trainer_is_compared_with_the_recipe_on_float32(tmp
     `<recipe>` on the same seeds: diagnostic, mismatch (the reference's beside it), length limit,
     accuracy, paired test; `bf16` itself and a `bf16_*` probe arm are no such arm."""
     plain_eval, better = [1] * 2 + [0] * 8, [1] * 7 + [0] * 3
-    runs = {"bf16": {"1": _run(tmp_path / "b1", {**_scalars(), **_mismatch(0.01)}, {0: [0] * 10, 8: better})},
-            "bf16_low_lr": {"1": _run(tmp_path / "b2", _scalars(), {0: [0] * 10, 8: better})},
-            "groupwise32": {"1": _run(tmp_path / "p1", {**_scalars([0.05] * 8, truncated=0.9), **_mismatch(0.0)},
+    runs = {"bf16": {"1": write_run(tmp_path / "b1", {**run_scalars(), **_mismatch(0.01)}, {0: [0] * 10, 8: better})},
+            "bf16_low_lr": {"1": write_run(tmp_path / "b2", run_scalars(), {0: [0] * 10, 8: better})},
+            "groupwise32": {"1": write_run(tmp_path / "p1", {**run_scalars([0.05] * 8, truncated=0.9), **_mismatch(0.0)},
                                       {8: plain_eval})},
-            "groupwise32_bf16": {"1": _run(tmp_path / "f1", {**_scalars([0.03] * 8, truncated=0.1), **_mismatch(0.04)},
+            "groupwise32_bf16": {"1": write_run(tmp_path / "f1", {**run_scalars([0.03] * 8, truncated=0.1), **_mismatch(0.04)},
                                            {8: better})}}
     lines = [x for x in verdict_lines(arm_figures(runs), "bf16") if "on a bf16 trainer" in x]
     assert len(lines) == 1 and lines[0].startswith("- **groupwise32_bf16 (the same FP8 recipe on a bf16 trainer")
@@ -288,12 +258,12 @@ def test_an_arm_with_tis_is_compared_with_the_same_arm_without_it(tmp_path):
     length limit, accuracy, the paired test, pooled over seeds); `bf16_fp8block_tis`, whose base arm
     the study does not run, gets none."""
     plain_eval, better = [1] * 3 + [0] * 7, [1] * 6 + [0] * 4
-    runs = {"bf16": {s: _run(tmp_path / f"b{s}", {**_scalars(), **_mismatch(0.01 * int(s))}, {0: [0] * 10, 8: better})
+    runs = {"bf16": {s: write_run(tmp_path / f"b{s}", {**run_scalars(), **_mismatch(0.01 * int(s))}, {0: [0] * 10, 8: better})
                      for s in "12"},
-            "bf16_fp8block_tis": {"1": _run(tmp_path / "t1", _scalars(), {8: better})},
-            "groupwise32_bf16": {s: _run(tmp_path / f"p{s}", {**_scalars(truncated=0.5), **_mismatch(0.06)},
+            "bf16_fp8block_tis": {"1": write_run(tmp_path / "t1", run_scalars(), {8: better})},
+            "groupwise32_bf16": {s: write_run(tmp_path / f"p{s}", {**run_scalars(truncated=0.5), **_mismatch(0.06)},
                                          {8: plain_eval}) for s in "12"},
-            "groupwise32_bf16_tis": {s: _run(tmp_path / f"c{s}", {**_scalars(truncated=0.25), **_mismatch(0.02)},
+            "groupwise32_bf16_tis": {s: write_run(tmp_path / f"c{s}", {**run_scalars(truncated=0.25), **_mismatch(0.02)},
                                              {8: better}) for s in "12"}}
     lines = [x for x in verdict_lines(arm_figures(runs), "bf16") if "with TIS against" in x]
     assert len(lines) == 1 and lines[0].startswith("- **groupwise32_bf16_tis (groupwise32_bf16 with TIS against the "
@@ -309,7 +279,7 @@ def test_a_probe_is_compared_with_the_references_that_have_the_same_change(tmp_p
     references on the same seeds, and a remedy (`groupwise32_gate_low_lr`) with its recipe's plain
     arm under the same change; an arm whose suffix no other arm shares (bf16_fp8block_tis) is no probe."""
     ten = {"low": [1] * 3 + [0] * 7, "mid": [1] * 6 + [0] * 4, "high": [1] * 9 + [0], "top": [1] * 10}
-    runs = {name: {"1": _run(tmp_path / name, _scalars([0.01] * 8), {0: [0] * 10, 8: ten[level]})}
+    runs = {name: {"1": write_run(tmp_path / name, run_scalars([0.01] * 8), {0: [0] * 10, 8: ten[level]})}
             for name, level in (("bf16", "mid"), ("float32", "low"), ("groupwise32", "low"), ("bf16_fp8block_tis", "mid"),
                                 ("groupwise32_gate", "low"), ("bf16_low_lr", "mid"), ("float32_low_lr", "high"),
                                 ("groupwise32_low_lr", "high"), ("groupwise32_gate_low_lr", "top"))}
@@ -330,15 +300,3 @@ def test_a_probe_is_compared_with_the_references_that_have_the_same_change(tmp_p
     assert "groupwise32_low_lr 0.900: vs bf16_low_lr on the same problems: seed 1: 3 gained / 0 lost" in line
     del runs["bf16_low_lr"], runs["float32_low_lr"]
     assert not [line for line in verdict_lines(arm_figures(runs), "bf16", ("float32",)) if line.startswith("- **Probe")]
-
-
-def test_a_runs_step_time_sums_its_phases_and_its_start_comes_from_its_event_file(tmp_path):
-    """s/step: rollout + advantages + recompute + train + sync of each step (evals apart), averaged over
-    steps; `started`: the unix time tensorboard wrote into the event file's name when the run began."""
-    before = time.time()
-    phases = {"time/rollout_s": [10.0, 12.0], "time/advantages_s": [0.0, 0.0], "time/recompute_s": [4.0, 4.0],
-              "time/train_s": [20.0, 30.0], "time/sync_s": [1.0, 1.0], "time/eval_s": [99.0, 99.0]}
-    figures = run_figures(_run(tmp_path / "r", {**_scalars(steps=2), **phases}, {0: [0, 1], 2: [1, 1]}), "a", "1")
-    assert figures.values["step_s"] == pytest.approx((35.0 + 47.0) / 2)
-    assert before - 1 <= figures.started <= time.time()
-    assert math.isnan(run_figures(_run(tmp_path / "s", _scalars(steps=2), {0: [0, 1]}), "a", "1").values["step_s"])

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron_fp8rl.report.study_report import RunFigures
+from megatron_fp8rl.report.study_figures import RunFigures
 from megatron_fp8rl.report.study_verdict import (
     ALIGNED_FIX, ArmKind, arm_kind, recommended_line, remedy_lines, side_by_side, target_lines, write_verdict,
 )

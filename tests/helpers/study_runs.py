@@ -1,0 +1,26 @@
+"""Run directories written the way `train` writes them (tensorboard scalars, eval_correct.json),
+for the study's figures and report tests."""
+import json
+
+from torch.utils.tensorboard import SummaryWriter
+
+
+def write_run(path, scalars: dict[str, list[float]], evals: dict[int, list[int]]):
+    writer = SummaryWriter(str(path / "tb"))
+    for tag, values in scalars.items():
+        for step, value in enumerate(values, 1):
+            writer.add_scalar(tag, value, step)
+    writer.close()
+    (path / "eval_correct.json").write_text(json.dumps({str(k): v for k, v in evals.items()}))
+    return path
+
+
+def run_scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8, reward=None, truncated=0.0):
+    out = {"train/entropy": [1.0] * (steps - 5) + [entropy_end] * 5, "reward/mean": reward or [0.2] * steps,
+           "response/no_number_frac": [no_number] * steps, "response/repetitive_frac": [0.0] * steps,
+           "response/length_mean": [10.0] * steps, "train/clip_frac_low": [0.01] * steps,
+           "response/truncated_frac": [truncated] * steps}
+    if overclip is not None:
+        out["clip/neg_overclip_before"] = overclip
+        out["clip/neg_overclip_after"] = [v / 2 for v in overclip]
+    return out
