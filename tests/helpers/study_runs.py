@@ -1,8 +1,12 @@
-"""Run directories written the way `train` writes them (tensorboard scalars, eval_correct.json),
-for the study's figures and report tests."""
+"""For the stability study's tests: run directories written the way `train` writes them (tensorboard
+scalars, eval_correct.json) and the run config a study arm trains with."""
 import json
 
 from torch.utils.tensorboard import SummaryWriter
+
+from megatron_fp8rl.config.loader import load_config
+from megatron_fp8rl.report.study_arms import COMMON
+from megatron_fp8rl.trainer.config import RunConfig
 
 
 def write_run(path, scalars: dict[str, list[float]], evals: dict[int, list[int]]):
@@ -24,3 +28,8 @@ def run_scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8, reward=N
         out["clip/neg_overclip_before"] = overclip
         out["clip/neg_overclip_after"] = [v / 2 for v in overclip]
     return out
+
+
+def arm_config(overrides, common=COMMON):
+    """The RunConfig a study arm trains with: the regime's shared overrides, then the arm's."""
+    return load_config(RunConfig, None, [f"{k}={v}" for k, v in common.items()] + list(overrides))
