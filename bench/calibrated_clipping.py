@@ -32,7 +32,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_fp8rl.report.study import _model_path, run_setting  # noqa: E402
+from megatron_fp8rl.study.runner import _model_path, run_setting  # noqa: E402
 from megatron_fp8rl.report.study_figures import STEP_PHASES  # noqa: E402
 
 RECIPES = {"groupwise32": ["model.fp8=groupwise32", "rollout.fp8=aligned"],

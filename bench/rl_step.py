@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="run directories (default: a temporary folder)")
     args = parser.parse_args()
     from megatron_fp8rl.launch import init_distributed
-    from megatron_fp8rl.report.study import _model_path
+    from megatron_fp8rl.study.runner import _model_path
 
     model = _model_path(args.model)
     init_distributed(1, 1)

@@ -1,6 +1,6 @@
 """The FP8 stability study (v2: issue 23; v3: issue 44): the same RL job under several precision
 arms and seeds, in one of three regimes, then the report. Same as `megatron-fp8rl stability`; the
-study itself lives in megatron_fp8rl/report/study.py (so the installed CLI has it too).
+study itself lives in megatron_fp8rl/study/runner.py (so the installed CLI has it too).
 
     python bench/stability.py --regime moderate2 --hours 2.8    # what fits in 2.8 hours; repeat to go on
     python bench/stability.py --regime moderate4 --hours 2.8
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fp8rl.report.study import main  # noqa: E402  (after the checkout is on sys.path)
+from megatron_fp8rl.study.runner import main  # noqa: E402  (after the checkout is on sys.path)
 
 if __name__ == "__main__":
     sys.exit(main())

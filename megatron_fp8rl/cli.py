@@ -133,7 +133,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _stability(args: argparse.Namespace) -> int:
-    from megatron_fp8rl.report.study import run_study
+    from megatron_fp8rl.study.runner import run_study
 
     return run_study(args)
 
@@ -143,7 +143,7 @@ def _add_report_commands(commands) -> None:
     report.add_argument("run_dirs", nargs="+", help="run directories (each with tb/) to compare")
     report.add_argument("--out", required=True, help="output folder for the PNGs and report.md")
     report.set_defaults(func=_report)
-    from megatron_fp8rl.report.study import add_study_arguments
+    from megatron_fp8rl.study.runner import add_study_arguments
 
     stability = commands.add_parser("stability", help="the FP8 stability study (issue 23) and its report")
     add_study_arguments(stability)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_fp8rl"
-# cli.py, launch.py and report/ are one unit: the entry-point layer.
+# cli.py, launch.py, report/ and study/ are one unit: the entry-point layer.
 # models/ sits below convert/, rollout/ and data/: its family files (models/families/<family>.py) are the one
 # home of each model family's names, and conversion, FP8 export and the SGLang plugin derive from them.
 LAYERS = {
@@ -16,9 +16,9 @@ LAYERS = {
     "models": 2,
     "convert": 3, "rollout": 3, "data": 3,
     "trainer": 4,
-    "cli": 5, "launch": 5, "report": 5,
+    "cli": 5, "launch": 5, "report": 5, "study": 5,
 }
-UNIT = {"launch": "cli", "report": "cli"}
+UNIT = {"launch": "cli", "report": "cli", "study": "cli"}
 
 
 def _unit(name: str) -> str:

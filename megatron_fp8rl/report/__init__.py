@@ -1,7 +1,7 @@
-"""Plots and reports from training runs' tensorboard logs, and the FP8 stability study.
+"""Plots and reports from training runs' tensorboard logs, and the FP8 stability study's reports.
 
 Owns: reading run directories (logs.py), the PNG figures (plots.py), the markdown report
-(markdown.py) and the study runner that trains one job under several precision settings
-(study.py). Entry-point layer (L4, one unit with cli.py): it reads files the trainer wrote and
-starts `megatron-fp8rl train` as a subprocess; it imports no trainer code.
+(markdown.py), and the stability study's figures, per-regime report and verdict across regimes
+(study_figures.py, study_report.py, study_verdict.py; the study's runner is study/). Entry-point
+layer (one unit with cli.py): it reads files the trainer wrote; it imports no trainer code.
 """

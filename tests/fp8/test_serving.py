@@ -97,7 +97,7 @@ def test_the_run_config_holds_the_plan_of_its_pair_built_once():
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_fp8rl"
 HOME = {"fp8/recipe.py", "fp8/serving.py"}
-LABELS = {"report/study_arms.py": "the study's arms are labelled after the recipes they run ('tensorwise' is the key "
+LABELS = {"study/arms.py": "the study's arms are labelled after the recipes they run ('tensorwise' is the key "
                              "arm); a label, set by dotted overrides, not a config value read back"}
 OLD_LISTS = ("SHARED_SCALE_RECIPES", "ROW_GROUP_RECIPES", "ALIGNED_RECIPES", "FIXED_FIELDS")
 # "none" is left out: it is also every other switch's off value (algorithm.correction, calibration.mode).

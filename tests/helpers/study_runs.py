@@ -5,7 +5,7 @@ import json
 from torch.utils.tensorboard import SummaryWriter
 
 from megatron_fp8rl.config.loader import load_config
-from megatron_fp8rl.report.study_arms import COMMON
+from megatron_fp8rl.study.arms import COMMON
 from megatron_fp8rl.trainer.config import RunConfig
 
 

@@ -12,7 +12,7 @@ import re
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_fp8rl.report.study import main as stability_main
+from megatron_fp8rl.study.runner import main as stability_main
 from tests.helpers.png import assert_png
 from tests.helpers.tiny_models import build_tiny_rl_inputs
 
@@ -82,8 +82,8 @@ def test_real_run_logs_the_ratio_quantiles_the_report_plots(study):
 
 
 def test_finished_runs_keep_their_logs_not_the_weight_folders(study):
-    """The study removes what the report never reads (report/study.py BULKY) once a run finished."""
-    from megatron_fp8rl.report.study import BULKY
+    """The study removes what the report never reads (study/runner.py BULKY) once a run finished."""
+    from megatron_fp8rl.study.runner import BULKY
 
     run = study / "tensorwise" / "seed1"
     assert (run / "summary.json").is_file() and (run / "tb").is_dir() and (run / "eval_correct.json").is_file()

@@ -1,4 +1,4 @@
-"""What the stability study runs (report/study_arms.py), no training: every arm's overrides are valid
+"""What the stability study runs (study/arms.py), no training: every arm's overrides are valid
 keys and values of the real run config in every regime, the regimes are the issues' jobs, each arm runs
 its seeds, names select arms, bad specs fail clearly, and the report's preamble follows the arms."""
 import argparse
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from megatron_fp8rl.report.study_arms import (
+from megatron_fp8rl.study.arms import (
     FULL, QUICK, REGIMES, SEEDS, Setting, parse_added_setting, preamble, runs_of, select_settings, study_settings,
 )
 from tests.helpers.study_runs import arm_config

@@ -1,4 +1,4 @@
-"""The stability study's runner (report/study.py), no training but the process test: the train command,
+"""The stability study's runner (study/runner.py), no training but the process test: the train command,
 killing what a run left behind, reusing a finished run only with its arm's settings, the --hours
 budget, and what --report-only reports. (The arms themselves: test_study_arms.py.)"""
 import json
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from megatron_fp8rl.report.study import train_command
-from megatron_fp8rl.report.study_arms import FULL, QUICK, Setting, study_settings
+from megatron_fp8rl.study.runner import train_command
+from megatron_fp8rl.study.arms import FULL, QUICK, Setting, study_settings
 from tests.helpers.processes import REPO
 from tests.helpers.study_runs import arm_config
 
@@ -30,7 +30,7 @@ def test_run_setting_kills_what_the_run_left_behind(tmp_path):
 
     import psutil
 
-    from megatron_fp8rl.report.study import run_setting
+    from megatron_fp8rl.study.runner import run_setting
 
     pid_file = tmp_path / "grandchild.pid"
     parent = ("import subprocess, sys, time\n"
@@ -48,7 +48,7 @@ def test_run_setting_kills_what_the_run_left_behind(tmp_path):
 
 def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path):
     from megatron_fp8rl.config.loader import save_config
-    from megatron_fp8rl.report.study import config_differences
+    from megatron_fp8rl.study.runner import config_differences
 
     setting = next(s for s in study_settings() if s.name == "tensorwise")
     command = train_command(setting, tmp_path, tmp_path / "m", FULL, [], 1, seed=2)
@@ -67,7 +67,7 @@ def test_a_committed_run_with_the_old_flat_keys_matches_its_arm(arm):
     """results/stability/<arm>/seed1/config.yaml was written before the algorithm groups were
     nested (algorithm.clip_calibration, ...): the arm's renamed overrides find their values there
     under the old keys, so the study reuses the run rather than calling it another setting."""
-    from megatron_fp8rl.report.study import config_differences
+    from megatron_fp8rl.study.runner import config_differences
 
     run_dir = REPO / "results" / "stability" / arm / "seed1"
     assert "clip_calibration: " in (run_dir / "config.yaml").read_text()  # the old layout
@@ -83,7 +83,7 @@ def test_a_committed_run_with_the_old_flat_keys_matches_its_arm(arm):
 
 
 def test_hours_budget_counts_the_longest_finished_run():
-    from megatron_fp8rl.report.study import hours_left
+    from megatron_fp8rl.study.runner import hours_left
 
     now = time.monotonic()
     assert hours_left(None, now - 10_000, {"a": 9e9})  # no budget
@@ -105,7 +105,7 @@ def _finished_run(run_dir):
 
 
 def test_report_only_reports_what_finished_and_names_the_missing_runs(tmp_path, capsys):
-    from megatron_fp8rl.report.study import main
+    from megatron_fp8rl.study.runner import main
 
     _finished_run(_mkdir(tmp_path / "bf16" / "seed1"))
     assert main(["--study-dir", str(tmp_path), "--settings", "bf16,tensorwise", "--seeds", "1",
@@ -120,7 +120,7 @@ def test_report_only_reports_what_finished_and_names_the_missing_runs(tmp_path, 
 def test_a_report_after_a_selected_arm_still_covers_every_finished_run(tmp_path, capsys):
     """`--settings tensorwise --seeds 2` trains (here: reports) one arm and seed; the regime's
     report it rewrites must keep the other arms' and seeds' finished runs, not shrink to that arm."""
-    from megatron_fp8rl.report.study import main
+    from megatron_fp8rl.study.runner import main
 
     _finished_run(_mkdir(tmp_path / "bf16" / "seed1"))
     _finished_run(_mkdir(tmp_path / "bf16" / "seed3"))
@@ -135,7 +135,7 @@ def test_a_report_after_a_selected_arm_still_covers_every_finished_run(tmp_path,
 def test_hours_starts_no_run_that_would_end_past_the_budget(tmp_path, capsys):
     """A run that does not fit is not started (a started one would fail here at once: the model
     folder is no model) and the command says how to go on."""
-    from megatron_fp8rl.report.study import main
+    from megatron_fp8rl.study.runner import main
 
     model = _mkdir(tmp_path / "model")
     (model / "config.json").write_text("{}")

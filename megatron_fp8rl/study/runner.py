@@ -1,7 +1,7 @@
 """The FP8 stability study's runner (v2: issue 23; v3: issue 44): every arm x seed of a regime not
 finished yet, one after another, then the regime's report (report/study_report.py); the verdict across
 regimes (report/study_verdict.py); its command line (`megatron-fp8rl stability`, `python
-bench/stability.py`). What it runs, the regimes and their arms, is report/study_arms.py. Must not
+bench/stability.py`). What it runs, the regimes and their arms, is study/arms.py. Must not
 import: trainer code (runs are subprocesses; the report reads their logs).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from megatron_fp8rl.config.renamed import OLD_KEYS
-from megatron_fp8rl.report.study_arms import (
+from megatron_fp8rl.study.arms import (
     COMMON, FROZEN_NORMS, HIGH_PRECISION, LOW_LR, QUICK, RECIPES, REFERENCE, REGIMES, SEEDS, Regime, Setting,
     parse_added_setting, preamble,
     runs_of, select_settings, study_settings,

@@ -1,6 +1,6 @@
 """What the FP8 stability study runs (v2: issue 23; v3: issue 44): its regimes, each one RL job, and
 their arms (precision settings, each with its seed count), the run sizes (full and --quick), and the
-report's preamble made from them. Pure data and small functions: the runner is report/study.py.
+report's preamble made from them. Pure data and small functions: the runner is study/runner.py.
 Must not import trainer code.
 
 Regimes (issue 44): `harsh` is v2's job (2 prompts x 8 samples, lr 3e-5, results/stability, its
