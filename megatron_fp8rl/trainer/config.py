@@ -225,7 +225,9 @@ class CalibrationConfig:
     logged as well: what the FP8 ratio would have clipped. Token-level ratios, decoupled
     old_policy). Needs an FP8 trainer (model.fp8; the shadow computes its linears in high
     precision) or a bf16 one (model.dtype=bfloat16; the shadow is its float32 forward,
-    models/shadow.py)."""
+    models/shadow.py). Study v3 (README, "Defaults, chosen from this"): gate with more than one
+    mini-batch on an FP8 trainer with float32 outside its GEMMs; none by default (a shadow forward
+    a step; no gain shown on a bf16 trainer)."""
     every: int = 20
     """Steps between calibrations (the first step calibrates); the last bounds hold in between."""
     level: str = "auto"
