@@ -164,11 +164,9 @@ def run_study(args: argparse.Namespace) -> int:
         sizes["train.steps"] = args.steps
     study_dir = Path(args.study_dir or REPO / regime.study_dir)
     study_dir.mkdir(parents=True, exist_ok=True)
-    timings_path = study_dir / "timings.json"
     timings = _timings(study_dir)
     plan = runs_of(settings, seeds)
-    failed = [] if args.report_only else _train(plan, study_dir, model, sizes, args, timings, timings_path,
-                                                regime.common)
+    failed = [] if args.report_only else _train(plan, study_dir, model, sizes, args, timings, regime.common)
     missing = [f"{s.name}/seed{seed}" for s, seed in plan if not _finished(run_dir_of(study_dir, s, seed))]
     print(f"[stability] {len(plan) - len(missing)} of {len(plan)} runs finished"
           + (f"; missing: {', '.join(missing)}" if missing else ""), flush=True)
@@ -210,9 +208,13 @@ def run_verdict() -> int:
     return 0
 
 
+TIMINGS = "timings.json"
+"""In a study directory: seconds each finished run took, by '<arm>/seed<k>' (what --hours and the reports read)."""
+
+
 def _timings(study_dir: Path) -> dict[str, float]:
-    """<study_dir>/timings.json: seconds each run took, by '<arm>/seed<k>' ({} before the first)."""
-    path = study_dir / "timings.json"
+    """<study_dir>/TIMINGS ({} before the first run finished)."""
+    path = study_dir / TIMINGS
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -230,8 +232,9 @@ def hours_left(budget_hours: float | None, started: float, timings: dict[str, fl
 
 
 def _train(plan: list[tuple[Setting, int]], study_dir: Path, model: Path, sizes: dict,
-           args: argparse.Namespace, timings: dict[str, float], timings_path: Path, common: dict) -> list[str]:
-    """Train the plan's unfinished runs one after another; the labels of the runs that failed."""
+           args: argparse.Namespace, timings: dict[str, float], common: dict) -> list[str]:
+    """Train the plan's unfinished runs one after another, each finished one's seconds added to
+    `timings` and <study_dir>/TIMINGS; the labels of the runs that failed."""
     failed, started = [], time.monotonic()
     for number, (setting, seed) in enumerate(plan, 1):
         run_dir, label = run_dir_of(study_dir, setting, seed), f"{setting.name}/seed{seed}"
@@ -261,7 +264,7 @@ def _train(plan: list[tuple[Setting, int]], study_dir: Path, model: Path, sizes:
             print((run_dir / "train.log").read_text()[-3000:], file=sys.stderr)
         else:
             timings[label] = seconds
-            timings_path.write_text(json.dumps(timings, indent=2))
+            (study_dir / TIMINGS).write_text(json.dumps(timings, indent=2))
             if not args.keep_weights:
                 prune_weights(run_dir)
     return failed
