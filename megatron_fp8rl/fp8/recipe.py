@@ -1,6 +1,6 @@
 """FP8 recipe specs: one small frozen dataclass per scaling strategy, validated where it is made.
 
-Owns: `CalibratedDelayedScaling` (our recipe, see DESIGN.md "Calibrated delayed scaling") and the
+Owns: `CalibratedDelayedScaling` (our recipe, see docs/design.md "Calibrated delayed scaling") and the
 baselines our FP8 linear offers: `DelayedScaling` (TE semantics; `te_default_delayed()` = history
 1024 'max', `megatron_default_delayed()` = history 1 'most_recent'), `CurrentScaling` (tensorwise,
 from each tensor's own amax) and `BlockwiseScaling` (128x128 weights, 1x128 activations and
@@ -51,7 +51,7 @@ class CalibratedDelayedScaling:
     """'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3'."""
     margin: int = 1
     """Headroom 2**margin above the bound; 1 keeps predicted bounds 2x above the recorded
-    ones, inside the range where E4M3's error is flat (DESIGN.md's measurement)."""
+    ones, inside the range where E4M3's error is flat (docs/design.md's measurement)."""
     amax_history_len: int = 4
     """Window: how many recorded steps the predicted bound takes the max over. 4 by measurement
     (bench/fp8_recipes.py, SmolLM2-135M, 20 RL steps): with 16 a stale maximum held one layer's
