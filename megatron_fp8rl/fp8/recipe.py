@@ -171,7 +171,7 @@ def groupwise(fp8_format: str = "e4m3", group: int = ACTIVATION_BLOCK[1]) -> Blo
 def groupwise32(fp8_format: str = "e4m3") -> BlockwiseScaling:
     """`groupwise` with 1x32 groups (MXFP8's block length, with fp32 scales): 4x the scales of
     1x128, and on the CPU demo's add/mul task the served model's step-0 accuracy within a point of
-    float32 where 1x128 weight groups cost ~4 points (bench/fp8_accuracy.py, README). The
+    float32 where 1x128 weight groups cost ~4 points (bench/fp8_accuracy.py, docs/fp8.md). The
     'exact' and 'tiled' GEMMs take any group width; the Triton kernel (GPU) takes 1x32 and 1x128."""
     return groupwise(fp8_format, 32)
 
