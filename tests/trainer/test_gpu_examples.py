@@ -14,7 +14,7 @@ from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.loop import check_inputs, plan_lines
 from tests.helpers.train import GPU_EXAMPLES
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BF16_TRAINER_RECIPE = "groupwise32"
 """The FP8 recipe docs/fp8.md and docs/stability.md recommend (1x32 groups)."""
 
