@@ -1,4 +1,4 @@
-"""The README's main job: `megatron-fp8rl demo` under torchrun learns the built-in task and writes
+"""The GPT warm-up: `megatron-fp8rl demo` under torchrun learns the built-in task and writes
 tensorboard logs."""
 import json
 import re

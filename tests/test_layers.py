@@ -1,4 +1,4 @@
-"""DESIGN.md's import direction: a module imports only from layers below its own, and subpackages of
+"""docs/design.md's import direction: a module imports only from layers below its own, and subpackages of
 one layer do not import each other. Lazy imports inside functions count too."""
 import ast
 import sys
@@ -52,7 +52,7 @@ def _imported_components(source: str) -> list[tuple[int, str]]:
 def violations(component: str, source: str) -> list[str]:
     """Imports in `source` (a module of `component`) that break the layering."""
     if component not in LAYERS:
-        return [f"component {component!r} has no layer in DESIGN.md's table"]
+        return [f"component {component!r} has no layer in docs/design.md's table"]
     bad = []
     for lineno, target in _imported_components(source):
         if target not in LAYERS:

@@ -8,7 +8,7 @@ Tested megatron-core versions: compat/versions.TESTED_VERSIONS. On any other ver
 raises rather than patching code it has not been checked against (unless the entry point allowed
 it explicitly, compat/versions.py).
 
-What fails unpatched on CPU, and what each patch does (see ../shared/DESIGN.md):
+What fails unpatched on CPU, and what each patch does (see docs/design.md):
 - `torch.cuda.current_device/synchronize/set_device/manual_seed/get_rng_state/set_rng_state/
   current_stream/Stream/Event` are called unconditionally. They are redirected to CPU
   equivalents (the CPU default generator stands in for "the" CUDA generator).

@@ -1,6 +1,6 @@
 """FP8 recipe specs: one small frozen dataclass per scaling strategy, validated where it is made.
 
-Owns: `CalibratedDelayedScaling` (our recipe, see DESIGN.md "Calibrated delayed scaling") and the
+Owns: `CalibratedDelayedScaling` (our recipe, see docs/design.md "Calibrated delayed scaling") and the
 baselines our FP8 linear offers: `DelayedScaling` (TE semantics; `te_default_delayed()` = history
 1024 'max', `megatron_default_delayed()` = history 1 'most_recent'), `CurrentScaling` (tensorwise,
 from each tensor's own amax) and `BlockwiseScaling` (128x128 weights, 1x128 activations and
@@ -51,7 +51,7 @@ class CalibratedDelayedScaling:
     """'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3'."""
     margin: int = 1
     """Headroom 2**margin above the bound; 1 keeps predicted bounds 2x above the recorded
-    ones, inside the range where E4M3's error is flat (DESIGN.md's measurement)."""
+    ones, inside the range where E4M3's error is flat (docs/design.md's measurement)."""
     amax_history_len: int = 4
     """Window: how many recorded steps the predicted bound takes the max over. 4 by measurement
     (bench/fp8_recipes.py, SmolLM2-135M, 20 RL steps): with 16 a stale maximum held one layer's
@@ -171,7 +171,7 @@ def groupwise(fp8_format: str = "e4m3", group: int = ACTIVATION_BLOCK[1]) -> Blo
 def groupwise32(fp8_format: str = "e4m3") -> BlockwiseScaling:
     """`groupwise` with 1x32 groups (MXFP8's block length, with fp32 scales): 4x the scales of
     1x128, and on the CPU demo's add/mul task the served model's step-0 accuracy within a point of
-    float32 where 1x128 weight groups cost ~4 points (bench/fp8_accuracy.py, README). The
+    float32 where 1x128 weight groups cost ~4 points (bench/fp8_accuracy.py, docs/fp8.md). The
     'exact' and 'tiled' GEMMs take any group width; the Triton kernel (GPU) takes 1x32 and 1x128."""
     return groupwise(fp8_format, 32)
 

@@ -23,7 +23,7 @@ Batch invariance by construction: one fixed tile configuration (TILE, LAUNCH) wh
 no split-K, and each program walks K in the same order from k = 0, so y[m, :] depends only on A's
 row m (and its scales) and on B: the same bits whether row m is multiplied alone, in a batch of 64,
 or at another position in the batch (tests/fp8/test_triton_gemm.py on CPU; on an H200 rows of
-M = 1..1000 equal those of M = 4096, ../shared/DESIGN.md). Products of FP8 values are exact in
+M = 1..1000 equal those of M = 4096, docs/gpu.md). Products of FP8 values are exact in
 fp32; on the GPU the MMA promotes its partial sums into the fp32 accumulator every PROMOTE_K K
 elements.
 One kernel body for CPU and GPU: everything but `_block_dot` (a tile's a @ b added to the
@@ -56,7 +56,7 @@ LAUNCH = {"num_warps": 4, "num_stages": 3}
 PROMOTE_K = 128
 """`tl.dot`'s max_num_imprecise_acc: Hopper's FP8 MMA adds its partial sums into the fp32
 accumulator at least every PROMOTE_K K elements (cuBLAS and DeepGEMM promote every 128 too).
-Measured on an H200 (../shared/DESIGN.md): 0 (promote every instruction) 440-456 TFLOP/s
+Measured on an H200 (docs/gpu.md): 0 (promote every instruction) 440-456 TFLOP/s
 per-tensor, 128: 770-812, rows still bit-invariant, max error equal to cuBLAS's. Grouped scales
 promote at each group anyway (each group's partial sum is scaled into the accumulator)."""
 GROUPS = (32, 128)

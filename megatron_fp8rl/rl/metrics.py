@@ -1,4 +1,4 @@
-"""Per-step RL metrics of DESIGN.md's RL section that come from per-token tensors.
+"""Per-step RL metrics of docs/design.md's RL step that come from per-token tensors.
 
 Owns: clip fractions, importance-ratio statistics, train/rollout mismatch statistics (with the
 quantiles of the train/rollout importance ratio), the entropy mean, and the paired change of a

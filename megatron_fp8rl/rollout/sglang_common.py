@@ -23,7 +23,7 @@ from megatron_fp8rl.fp8.serving import ROLLOUT_FP8, RolloutFp8, served_layouts
 from megatron_fp8rl.rollout.engine import RolloutEngineError, RolloutSample, SamplingParams
 
 # SGLang returns logprobs of logits / temperature unless this is set in its scheduler's environment
-# (DESIGN.md hazard 1); RL needs the temperature-1 policy's logprobs.
+# (docs/design.md, integration hazard 1); RL needs the temperature-1 policy's logprobs.
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")

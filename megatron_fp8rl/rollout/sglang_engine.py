@@ -18,7 +18,7 @@ SGLang 0.5.23 behaviours handled here (measured on CPU):
   scheduler then dies during initialization. Start-up retries that failure (START_ATTEMPTS) with
   fresh ports.
 - `sglang.Engine` switches multiprocessing to "spawn" for the whole host process, and this class
-  sets SGLANG_RETURN_ORIGINAL_LOGPROB=1 (DESIGN.md hazard 1) in the host's environment, which its
+  sets SGLANG_RETURN_ORIGINAL_LOGPROB=1 (docs/design.md hazard 1) in the host's environment, which its
   children inherit.
 """
 from __future__ import annotations

@@ -71,7 +71,7 @@ from megatron_fp8rl.rollout.sglang_common import OUR_FP8_METHOD
 
 
 def _native_fp8_unusable() -> bool:
-    """SGLang's own fp8 linear needs CUDA, or Intel AMX on CPU (DESIGN.md)."""
+    """SGLang's own fp8 linear needs CUDA, or Intel AMX on CPU (docs/design.md)."""
     from sglang.srt.utils import cpu_has_amx_support, is_cpu
 
     return is_cpu() and not cpu_has_amx_support()
@@ -323,7 +323,7 @@ class Fp8RLLinearMethod(LinearMethodBase):
 def register() -> None:
     """The `sglang.srt.plugins` entry point: make `OUR_FP8_METHOD` a quantization method SGLang
     knows in this process (idempotent). Registering only in a parent process is not enough: the
-    scheduler is spawned and runs `load_plugins()` itself (DESIGN.md).
+    scheduler is spawned and runs `load_plugins()` itself (docs/design.md hazard 5).
 
     It runs in every SGLang process of the environment, where our entry points' version gate never
     ran: so it runs that gate first (compat/versions.py, with this process's override

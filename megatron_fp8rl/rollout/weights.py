@@ -5,7 +5,7 @@ headers, and validating (name, tensor) pairs against them (an FP8 checkpoint's w
 float8_e4m3fn, its scales and other tensors as floating point): held whole, or as a streamed
 `WeightSnapshot` whose layout is checked first (`validated_stream`); and `unshared` (tensors as
 safetensors will write them). SGLang 0.5.23 answers an unknown name with a
-KeyError in its scheduler that kills the whole engine (DESIGN.md hazard 4), so nothing unchecked
+KeyError in its scheduler that kills the whole engine (docs/design.md hazard 4), so nothing unchecked
 is ever sent.
 Must not import: convert, data, trainer, cli.
 """

@@ -31,7 +31,7 @@ plain arms with calibration.mode=monitor (measured, bounds unchanged), the `_cc`
 (applied), so the paper's diagnostic comes from every arm; the bf16 arms' shadow is their float32
 forward (models/shadow.py), so their diagnostic is what bf16 itself over-clips. The FP8 arms keep
 float32 outside the FP8 GEMMs (model.dtype; groupwise32_bf16 excepted): aligned rollouts are bit-identical only there
-(README), and the shadow is then a float32 forward.
+(docs/fp8.md), and the shadow is then a float32 forward.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ bfloat16: FP8 GEMMs, bf16 everywhere else, the usual Transformer Engine setup), 
 in bf16. bf16 survives lr 3e-5 where float32 and the float32-outside-GEMM FP8 arms fall, and the low-lr
 probes say it is because bf16's forward sees only part of each update; here the FP8 linears quantize
 the bf16-rounded weights, so FP8's forward sees what bf16's does. The price: aligned rollouts are not
-bit-identical in bf16 (SGLang's bf16 attention and norms differ from the trainer's; README), and the
+bit-identical in bf16 (SGLang's bf16 attention and norms differ from the trainer's; docs/fp8.md), and the
 monitor's shadow is the bf16 forward (the FP8 linears computed in their weights' dtype), so its
 diagnostic measures FP8 against bf16, not float32. It changes the precision, not the job: it answers the
 harsh target at lr 3e-5, and moderate2's runs say what it costs where plain FP8 already matches bf16
@@ -142,7 +142,7 @@ per seed there against bf16's 0.015-0.017 (the mean over steps of each committed
 study report's mismatch figure). The harsh job runs no rollout correction; this arm reweights each token
 by its capped rollout/trainer ratio. It reweights the mismatch, it does not remove it, so it can show
 that TIS repairs the gap, not that the mismatch is innocent (seeds 1-2: no different from
-groupwise32_bf16 on the same seeds, README)."""
+groupwise32_bf16 on the same seeds, results/stability/report/report.md)."""
 PROBE_ARMS = (
     *(Setting(f"{base}_frozen_norms", overrides + FROZEN_NORMS,
               about="the normalization gains frozen, train.norm_lr_mult=0; bf16's rounding hides their early updates")

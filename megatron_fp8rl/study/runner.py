@@ -180,7 +180,7 @@ def run_study(args: argparse.Namespace) -> int:
 
 
 VERDICT = "results/stability_v3/verdict.md"
-"""Where --verdict writes the verdict across the regimes (README's verdict quotes it)."""
+"""Where --verdict writes the verdict across the regimes (docs/stability.md quotes it)."""
 REMEDIES = (("groupwise32", "groupwise32_gate"), ("groupwise32", "groupwise32_cc"),
             ("groupwise32_cc", "groupwise32_cc_noise"), ("tensorwise", "tensorwise_cc"), ("blockwise", "blockwise_cc"),
             ("groupwise32", "groupwise32_bf16"))

@@ -119,7 +119,7 @@ class RolloutConfig(SGLangSettings):
     memory_saver, extra; checked there), which serves model.hf_path, or its FP8 export for
     rollout.fp8, seeded with train.seed. In a run, rollout.fp8=aligned needs model.fp8 in
     fp8/recipe.py's aligned_recipe_names(): groupwise (step-0 accuracy within 1 point of float32 on mul/mul2, 5 points
-    lower on add/mul; README), or a per-tensor recipe such as calibrated; rollout.deterministic
+    lower on add/mul; docs/fp8.md), or a per-tensor recipe such as calibrated; rollout.deterministic
     derives per-sample seeds from (train.seed, step), so a resumed run's rollouts equal an
     uninterrupted run's (exact resume), at some speed cost."""
 
@@ -225,7 +225,7 @@ class CalibrationConfig:
     logged as well: what the FP8 ratio would have clipped. Token-level ratios, decoupled
     old_policy). Needs an FP8 trainer (model.fp8; the shadow computes its linears in high
     precision) or a bf16 one (model.dtype=bfloat16; the shadow is its float32 forward,
-    models/shadow.py). Study v3 (README, "Defaults, chosen from this"): gate with more than one
+    models/shadow.py). Study v3 (docs/stability.md): gate with more than one
     mini-batch on an FP8 trainer with float32 outside its GEMMs; none by default (a shadow forward
     a step; no gain shown on a bf16 trainer)."""
     every: int = 20

@@ -1,6 +1,6 @@
 """One RL step: rollout -> reward -> advantages -> old-logprob recompute -> policy update -> sync.
 
-Owns: `rl_step` (the data flow of DESIGN.md on one screen) and the helpers it calls in order:
+Owns: `rl_step` (the data flow of docs/design.md on one screen) and the helpers it calls in order:
 rollouts (with per-step sampling seeds, `rollout_seed`) and rewards run on global rank 0 (the
 colocated SGLang engine or the server) and are broadcast; every rank then builds the batch and
 hands it to the actor (`MegatronActor.update`, which owns the mini-batch/DP loop and the

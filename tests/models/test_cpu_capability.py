@@ -8,7 +8,7 @@ Both sides of an aligned run share one capability: the SGLang engine's scheduler
 trainer and inherits its environment. Across capabilities the elementwise kernels themselves round
 differently (measured on an AVX2 box, torch 2.13, one thread: SDPA, SiLU, RMSNorm and log-softmax
 differ by 1e-6 to 5e-5 between `default` and `avx2`), so a disaggregated server on another kind of
-CPU must be started with the trainer's capability (README, "Aligned training forward")."""
+CPU must be started with the trainer's capability (docs/fp8.md, "What is exact where")."""
 import os
 import subprocess
 import sys

@@ -54,7 +54,7 @@ def test_greedy_equals_transformers_and_logprobs_match(engine, hf_model):
 
 def test_sampled_logprobs_are_temperature_one(engine, hf_model):
     """At temperature 0.5 SGLang would report log softmax(logits / 0.5) unless
-    SGLANG_RETURN_ORIGINAL_LOGPROB is set (DESIGN.md hazard 1); the policy's logprobs are at T=1."""
+    SGLANG_RETURN_ORIGINAL_LOGPROB is set (docs/design.md hazard 1); the policy's logprobs are at T=1."""
     samples = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.5, max_new_tokens=8), n=3)
     assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1]
     for sample in samples:

@@ -1,6 +1,6 @@
-"""README's "path of one RL step" is the path a real step takes: at every `optimizer.step()` of a
+"""docs/design.md's "path of one RL step" is the path a real step takes: at every `optimizer.step()` of a
 `megatron-fp8rl train` run, the package's functions on the stack from `cli.py:_train` down are
-exactly the hops README lists, and there are at most four. 1 torchrun process + SGLang's 2."""
+exactly the hops it lists, and there are at most four. 1 torchrun process + SGLang's 2."""
 import json
 import re
 from pathlib import Path
@@ -14,9 +14,9 @@ WORKER = REPO / "tests" / "workers" / "step_path.py"
 
 
 def readme_step_path() -> list[str]:
-    """The hops README lists after "The path of one RL step", e.g. ["cli.py:_train", ...,
+    """The hops docs/design.md lists after "The path of one RL step", e.g. ["cli.py:_train", ...,
     "optimizer.step()"] (paths relative to megatron_fp8rl/)."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "design.md").read_text()
     section = text[text.index("The path of one RL step"):]
     line = next(line for line in section.splitlines() if "->" in line)
     return re.findall(r"`([^`]+)`", line)
