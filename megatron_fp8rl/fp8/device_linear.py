@@ -45,7 +45,7 @@ class DeviceFp8LinearFunction(torch.autograd.Function):
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(f"fp8_linear: input has {x.shape[-1]} features, weight {tuple(weight.shape)} "
                              f"expects {weight.shape[1]}")
-        # `grad` (decided before apply): inside forward, needs_input_grad ignores torch.no_grad()
+        # `grad`: grad mode at the call (inside forward it is off, and needs_input_grad ignores it)
         wgrad = grad and ctx.needs_input_grad[1]
         x_q = device_quantize(quantizers.input, _flat(x), transposed=wgrad)
         w_q = device_quantize_weight(quantizers.weight, weight, transposed=grad and ctx.needs_input_grad[0])
@@ -79,5 +79,5 @@ class DeviceFp8LinearFunction(torch.autograd.Function):
 def device_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       quantizers: Fp8Quantizers, gemm: str = "auto") -> torch.Tensor:
     """y [..., N] = x [..., K] @ weight [N, K]^T + bias [N] on the device path (module docstring)."""
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    grad = torch.is_grad_enabled()  # with it, forward's needs_input_grad holds each input's requires_grad
     return DeviceFp8LinearFunction.apply(x, weight, bias, quantizers, gemm, grad)
