@@ -39,6 +39,8 @@ import triton.language as tl
 FP32_MAX = torch.finfo(torch.float32).max
 MODES = {"current": 0, "calibrated": 1, "calibrated_weight": 2, "weight_hit": 3, "delayed": 4}
 """What `_scaling_kernel` computes (module docstring)."""
+CURRENT, CALIBRATED, CALIBRATED_WEIGHT, WEIGHT_HIT, DELAYED = (tl.constexpr(MODES[name]) for name in MODES)
+"""The MODES values as the kernel compares them."""
 
 
 def _scale_from_bound(bound, old, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr):
@@ -92,36 +94,36 @@ def _scaling_kernel(partial_ptr, P, overflow_ptr, P_OVER, numel, history_ptr, L,
     old_scale = tl.load(state_scale_ptr)
     if PRE:
         bound = _chunked(partial_ptr, P, BLOCK_P, False)
-        if MODE == 1:
+        if MODE == CALIBRATED:
             overflow = _chunked(overflow_ptr, P_OVER, BLOCK_P, True)
             history = tl.load(history_ptr + offs_l, mask=in_history, other=0.0)
             no_bound = (_nan_max(history, in_history) <= 0.0) & (old_scale == 1.0)
             tl.store(vec_ptr + 1, tl.math.div_rn(overflow.to(tl.float32), numel.to(tl.float32)))
             tl.store(vec_ptr + 2, no_bound.to(tl.float32))
-        if MODE == 4:
+        if MODE == DELAYED:
             nan = tl.load(counts_ptr + 4) > 0
             tl.store(history_ptr, _record(tl.load(history_ptr), tl.where(nan, float("nan"), bound)))
         else:
             tl.store(vec_ptr, bound)
     tl.debug_barrier()
     if POST:
-        if MODE == 0:
+        if MODE == CURRENT:
             scale = _scale_from_bound(tl.load(vec_ptr), 1.0, FMAX, MARGIN_MUL)
-        if MODE == 1:
+        if MODE == CALIBRATED:
             bound = tl.load(vec_ptr)
             recalibrate = (tl.load(vec_ptr + 2) > 0.0) | (tl.load(vec_ptr + 1) > TOLERANCE)
             scale = tl.where(recalibrate, _scale_from_bound(bound, old_scale, FMAX, MARGIN_MUL), old_scale)
             tl.store(flag_ptr, recalibrate)
-        if MODE == 2:
+        if MODE == CALIBRATED_WEIGHT:
             scale = _scale_from_bound(tl.load(vec_ptr), old_scale, FMAX, MARGIN_MUL)
-        if MODE == 4:
+        if MODE == DELAYED:
             scale = old_scale
-        if MODE != 0:
+        if MODE != CURRENT:
             _update_history(history_ptr, L, tl.load(vec_ptr), offs_l, in_history, old_scale, new_state_scale_ptr,
                             FMAX, MARGIN_MUL, MODE, MOST_RECENT)
-        if MODE != 3:
+        if MODE != WEIGHT_HIT:
             tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
-        if MODE != 3 and MODE != 4:
+        if MODE != WEIGHT_HIT and MODE != DELAYED:
             tl.store(scale_ptr, scale)
             tl.store(counts_ptr + tl.arange(0, 8), tl.full((8,), 0, tl.int64), mask=tl.arange(0, 8) < 5)
 
@@ -131,10 +133,10 @@ def _update_history(history_ptr, L, bound, offs_l, in_history, old_scale, new_st
     """Record `bound` (not DELAYED: its PRE recorded the amax), the state's next scale from the
     window (CALIBRATED, DELAYED), then roll the history (module docstring)."""
     row0 = tl.load(history_ptr)
-    if MODE != 4:
+    if MODE != DELAYED:
         row0 = _record(row0, bound)
     history = tl.where(offs_l == 0, row0, tl.load(history_ptr + offs_l, mask=in_history, other=0.0))
-    if MODE == 1 or MODE == 4:
+    if MODE == CALIBRATED or MODE == DELAYED:
         window = row0 if MOST_RECENT else _nan_max(history, in_history)
         tl.store(new_state_scale_ptr, _scale_from_bound(window, old_scale, FMAX, MARGIN_MUL))
     rolled = tl.load(history_ptr + offs_l + 1, mask=offs_l + 1 < L, other=0.0)

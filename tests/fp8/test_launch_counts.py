@@ -12,7 +12,9 @@ metadata-only detach / alias / lift_fresh, and ops whose outputs hold no element
 elements). A fill (zeros, ones, full) counts. GEMMs as on CUDA: `fp8_matmul_nt` as the device
 path calls it runs `linear._cuda_matmul_nt`, the code CUDA tensors take (per tensor: one
 `torch._scaled_mm`, which CPU torch runs; blocks and groups: the Triton GEMM), with
-gemm='scaled_mm', what 'auto' resolves to on CUDA.
+gemm='scaled_mm', what 'auto' resolves to on CUDA. Inputs are fp32: with bf16 ones the device
+path launches 6 dtype casts more today (the GEMM outputs, the bias and the bias gradient), which
+GEMMs writing the caller's dtype themselves remove (issue 64 item 1).
 """
 import collections
 

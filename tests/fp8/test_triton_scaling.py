@@ -78,7 +78,8 @@ def _calibrated_oracle(partial, overflow, numel, state, spec, fmt):
 
 
 @pytest.mark.parametrize("overflow_count", [0, 1, 5])
-@pytest.mark.parametrize("history,scale", [([0.0, 0.0], 1.0), ([0.0], 60.0), ([3.0, 0.0], 60.0), ([float("nan"), 2.0], 1.0)])
+@pytest.mark.parametrize("history,scale",
+                         [([0.0, 0.0], 1.0), ([0.0], 60.0), ([3.0, 0.0], 60.0), ([float("nan"), 2.0], 1.0)])
 def test_calibrated_decision_equals_the_quantizer(overflow_count, history, scale):
     spec = CalibratedDelayedScaling(overflow_tolerance=0.01, amax_history_len=len(history))
     partial, overflow = torch.tensor([2.0, 7.5, 1.0]), torch.tensor([overflow_count, 0], dtype=torch.int32)
@@ -121,7 +122,8 @@ def test_two_launches_around_the_collective_fold_in_what_other_ranks_recorded():
 
 @pytest.mark.parametrize("mode", list(ts.MODES))
 @pytest.mark.parametrize("phases", [(True, True), (True, False), (False, True)])
-def test_gpu_code_path_of_the_scaling_kernel_compiles_for_sm90(monkeypatch, mode, phases):
+@pytest.mark.parametrize("most_recent", [False, True])
+def test_gpu_code_path_of_the_scaling_kernel_compiles_for_sm90(monkeypatch, mode, phases, most_recent):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -130,7 +132,7 @@ def test_gpu_code_path_of_the_scaling_kernel_compiles_for_sm90(monkeypatch, mode
                 "vec_ptr": "*fp32", "counts_ptr": "*i64", "scale_ptr": "*fp32", "scale_inv_ptr": "*fp32",
                 "new_state_scale_ptr": "*fp32", "flag_ptr": "*i1"}
     signature = {**pointers, **dict.fromkeys(("P", "P_OVER", "numel", "L"), "i32")}
-    constants = dict(FMAX=448.0, MARGIN_MUL=0.5, TOLERANCE=0.0, MODE=ts.MODES[mode], MOST_RECENT=False,
+    constants = dict(FMAX=448.0, MARGIN_MUL=0.5, TOLERANCE=0.0, MODE=ts.MODES[mode], MOST_RECENT=most_recent,
                      PRE=phases[0], POST=phases[1], BLOCK_P=1024, BLOCK_L=1024)
     signature.update(dict.fromkeys(constants, "constexpr"))
     ptx = compile(ASTSource(ts._kernel(False), signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
