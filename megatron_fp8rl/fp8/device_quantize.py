@@ -177,7 +177,7 @@ def _counters(x: torch.Tensor) -> torch.Tensor:
 def _current(q: CurrentQuantizer, x, transposed):
     """Three launches: amax pass, scale (zeroing the counters), quantize pass."""
     counts = _counters(x)
-    partial, _ = _kernels().row_bounds(x)
+    partial, _ = _kernels().tensor_bounds(x)
     out = _scaling().current_scale(partial, q.fmt, q.margin, counts)
     return _quantize_pass(q, x, out["scale"], out["scale_inv"], counts, transposed, _flag(True, x.device))
 
@@ -199,11 +199,11 @@ def _calibrated(q: CalibratedQuantizer, x, transposed):
     check_device_quantizer(q)
     spec, state, counts = q.spec, _on_device(q.state, x.device), _counters(x)
     if q.from_current:
-        partial, _ = _kernels().row_bounds(x)
+        partial, _ = _kernels().tensor_bounds(x)
         out = _scaling().calibrated_weight_scale(partial, state, q.fmt, spec.margin, counts, _group_reduce(q))
         q._device_bound_scale = (out["bound"], out["scale"])  # what a weight-cache hit records again
         return _quantize_pass(q, x, out["scale"], out["scale_inv"], counts, transposed, _flag(True, x.device))
-    partial, overflow = _kernels().row_bounds(x, state.scale.float().reshape(()), q.fmt.name)
+    partial, overflow = _kernels().tensor_bounds(x, state.scale.float().reshape(()), q.fmt.name)
     out = _scaling().calibrated_scale(partial, overflow, x.numel(), state, q.fmt, spec, counts, _group_reduce(q))
     return _quantize_pass(q, x, out["scale"], out["scale_inv"], counts, transposed, out["recalibrated"])
 
@@ -247,8 +247,7 @@ def device_quantize_rows(x: torch.Tensor, fmt: Fp8Format, margin: int = 0) -> Fp
     """fp8/quantize.py `quantize_per_row(x, fmt, margin)` of a 2-D x on the device path (an amax
     pass, the row scales on the device, the quantize pass): for row-wise scaled GEMMs; no recipe
     quantizes per row today. scale_inv [M, 1]."""
-    partial, _ = _kernels().row_bounds(x, fmt_name=fmt.name)
-    scale = scale_from_bound(partial.amax(0), fmt.max, margin)
+    scale = scale_from_bound(_kernels().row_bounds(x).amax(0), fmt.max, margin)
     out = _kernels().quantize_codes(x, fmt, "row", scale=scale)
     return Fp8Tensor(out["codes"], scale.reciprocal().reshape(-1, 1), "row")
 

@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-FP32_MAX = torch.finfo(torch.float32).max
 MODES = {"current": 0, "calibrated": 1, "calibrated_weight": 2, "weight_hit": 3, "delayed": 4}
 """What `_scaling_kernel` computes (module docstring)."""
 CURRENT, CALIBRATED, CALIBRATED_WEIGHT, WEIGHT_HIT, DELAYED = (tl.constexpr(MODES[name]) for name in MODES)
@@ -84,7 +83,7 @@ def _scaling_kernel(partial_ptr, P, overflow_ptr, P_OVER, numel, history_ptr, L,
                     MOST_RECENT: tl.constexpr, PRE: tl.constexpr, POST: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr):
     """The module docstring's modes in one program. partial [P]: maxima to reduce (the amax pass's
-    per-row finite maxima, or the quantize pass's per-program amax); overflow [P_OVER]: the amax
+    per-program finite maxima, or the quantize pass's per-program amax); overflow [P_OVER]: the amax
     pass's per-program overflow counts; history [L] in place; vec [3]: what a group all-reduces
     between PRE and POST; counts [5]: the quantize pass's counters (zeroed, or, DELAYED, read for
     NaN); outputs: scale, scale_inv (of the scale this quantization uses), the state's new scale,
