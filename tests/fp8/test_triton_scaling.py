@@ -2,7 +2,8 @@
 equal fp8/quantize.py's `scale_from_bound` and its history updates fp8/scaling.py's
 `DelayedScalingState` bit for bit on edge bounds (0, NaN, inf, a bound whose scale overflows);
 the two launches around an amax-reduction collective give what one launch gives, with the
-collective's values folded in; every mode compiles for sm90 (the GPU code path)."""
+collective's values folded in, and over a real 2-rank gloo group the device quantizers end every
+call where the CPU ones do; every mode compiles for sm90 (the GPU code path)."""
 import pytest
 import torch
 
@@ -137,3 +138,14 @@ def test_gpu_code_path_of_the_scaling_kernel_compiles_for_sm90(monkeypatch, mode
     signature.update(dict.fromkeys(constants, "constexpr"))
     ptx = compile(ASTSource(ts._kernel(False), signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert ".entry" in ptx
+
+
+@pytest.mark.multiprocess
+def test_the_device_quantizers_reduce_over_a_process_group_as_the_cpu_ones_do():
+    """Starts 2 torchrun processes on gloo (tests/fp8/workers/device_amax_reduction.py)."""
+    from pathlib import Path
+
+    from tests.helpers.processes import run_torchrun
+
+    output = run_torchrun(Path(__file__).parent / "workers" / "device_amax_reduction.py", 2, timeout=600)
+    assert "rank 0 OK" in output and "rank 1 OK" in output
