@@ -16,6 +16,8 @@ quantizers and scaling state, with these differences:
   operands of the block recipes, so block recipes' gradients differ from it within the
   quantization error (tests/fp8/test_device_linear.py bounds both against an fp64 oracle).
 Only the transposed copy of x is saved for the backward (the row-wise codes are not needed).
+No-grad passes (torch.no_grad(), or no input requiring a gradient: logprob recomputes, eval, the
+shadow forward) quantize once: no transposed or column-wise copy of x or of the weight, nothing saved.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch; triton
 through fp8/device_quantize.py at the first call).
 """
@@ -39,13 +41,14 @@ class DeviceFp8LinearFunction(torch.autograd.Function):
     """Autograd function of y = x @ W^T + b on the device path (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, quantizers: Fp8Quantizers, gemm: str):
+    def forward(ctx, x, weight, bias, quantizers: Fp8Quantizers, gemm: str, grad: bool):
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(f"fp8_linear: input has {x.shape[-1]} features, weight {tuple(weight.shape)} "
                              f"expects {weight.shape[1]}")
-        wgrad = ctx.needs_input_grad[1]
+        # `grad`: grad mode at the call (inside forward it is off, and needs_input_grad ignores it)
+        wgrad = grad and ctx.needs_input_grad[1]
         x_q = device_quantize(quantizers.input, _flat(x), transposed=wgrad)
-        w_q = device_quantize_weight(quantizers.weight, weight)
+        w_q = device_quantize_weight(quantizers.weight, weight, transposed=grad and ctx.needs_input_grad[0])
         gemm = resolve_gemm(gemm, x.device)
         y = fp8_matmul_nt(x_q, w_q, gemm)
         if bias is not None:
@@ -70,10 +73,11 @@ class DeviceFp8LinearFunction(torch.autograd.Function):
             grad_w = fp8_matmul_nt(g_q.transposed, x_t, ctx.gemm).to(w_dtype)
         if has_bias and ctx.needs_input_grad[2]:
             grad_b = dy.float().sum(0).to(w_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def device_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       quantizers: Fp8Quantizers, gemm: str = "auto") -> torch.Tensor:
     """y [..., N] = x [..., K] @ weight [N, K]^T + bias [N] on the device path (module docstring)."""
-    return DeviceFp8LinearFunction.apply(x, weight, bias, quantizers, gemm)
+    grad = torch.is_grad_enabled()  # with it, forward's needs_input_grad holds each input's requires_grad
+    return DeviceFp8LinearFunction.apply(x, weight, bias, quantizers, gemm, grad)

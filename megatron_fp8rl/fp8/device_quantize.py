@@ -7,30 +7,39 @@ synchronization), `device_quantize_weight` (the same with the weight-quantizatio
 `check_device_recipe` / `check_device_quantizer` (combinations without a device kernel, refused by
 name). fp8/device_linear.py calls it; tensors are CUDA ones, or CPU ones under TRITON_INTERPRET=1
 (the tests).
-Per quantizer (x [M, K], one kernel pass writing codes, scales, statistics, optionally the copy
+Per quantizer (x [M, K], one kernel pass writing codes, statistics and, optionally, the copy
 the backward reads: per tensor and 128x128 blocks the transposed codes, 1xG groups a column-wise
-quantization of x^T in 1xG groups, i.e. Gx1 groups of x):
-- CurrentQuantizer: an amax pass (each row's finite max |x|), the scale from it on the device,
-  the quantize pass;
-- DelayedQuantizer: the quantize pass with the state's scale, which also returns max |x| (NaN when
-  x holds one) for the amax history, updated on the device;
+quantization of x^T in 1xG groups, i.e. Gx1 groups of x). Per-tensor scales and every scaling-state
+update run in one small kernel (fp8/triton_scaling.py), so a quantization is at most three launches:
+- CurrentQuantizer: the amax pass (each row's finite max |x|), the scale kernel (which also zeroes
+  the statistics counters), the quantize pass;
+- DelayedQuantizer: zeroed counters, the quantize pass with the state's scale (it also writes each
+  program's max |x| for the amax history), the history and scale update;
 - CalibratedQuantizer ('max' criterion): weights as CurrentQuantizer (the bound all-reduced);
-  activations: an amax pass that also counts overflow under the predicted scale, the decision on
-  the device, the quantize pass;
-- BlockQuantizer: one pass, scales computed in the kernel (1xG groups, GxG blocks);
-- StaticQuantizer: the quantize pass with the fixed scale (its observer runs too).
-Weight cache: `device_quantize_weight` reuses a weight's quantization (with its transposed copy)
-while (data_ptr, tensor._version, quantizer.weights_generation()) is unchanged; the optimizer step
-and weight loads call `quantizer.weights_updated()`. A calibrated weight's cache hit still records
-its bound and rolls its history as a fresh quantization does, but skips the bound's all-reduce
-(every rank hits and misses at the same calls). Delayed and predicted weight scales change at every
-call, so those are never cached.
+  activations: an amax pass that also counts overflow under the predicted scale, the decision,
+  scale and history update in the scale kernel, the quantize pass;
+- BlockQuantizer: one pass, scales computed in the kernel (1xG groups, GxG blocks), and the counters;
+- StaticQuantizer: the counters and the quantize pass with the fixed scale (its observer runs too).
+With an amax-reduction group of more than one rank the scale kernel runs twice around the
+all-reduce (fp8/triton_scaling.py).
+Weight cache: `device_quantize_weight` reuses a weight's quantization while (data_ptr,
+tensor._version, quantizer.weights_generation()) is unchanged; the optimizer step and weight loads
+call `quantizer.weights_updated()`. A calibrated weight's cache hit still records its bound and
+rolls its history as a fresh quantization does (one launch), but skips the bound's all-reduce
+(every rank hits and misses at the same calls). A delayed-scaling weight is quantized once per
+weight change, with the state's scale at that moment, and its amax recorded then; hits leave the
+state alone, as Transformer Engine's cached FP8 weights do between optimizer steps (the CPU path,
+fp8/quantizer.py, quantizes it at every call). Weights with a predicted calibrated scale
+(`calibrate_weights_every_step=False`) change scale at every call and are never cached. A no-grad
+pass caches the weight without its transposed copy; the first pass that needs it adds it.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch; triton through
-fp8/triton_quantize.py, imported at the first quantization so importing this module stays cheap).
+fp8/triton_quantize.py and fp8/triton_scaling.py, imported at the first quantization so importing
+this module stays cheap).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_fp8rl.fp8 import recipe as recipes
 from megatron_fp8rl.fp8.formats import Fp8Format
@@ -44,7 +53,7 @@ from megatron_fp8rl.fp8.quantizer import (
     _on_device,
     weights_generation,
 )
-from megatron_fp8rl.fp8.scaling import roll_amax_history_
+from megatron_fp8rl.fp8.scaling import all_reduce_max_
 from megatron_fp8rl.fp8.stats import QuantStats
 
 GROUP_WIDTHS = (32, 128)
@@ -117,6 +126,24 @@ def _kernels():
     return triton_quantize
 
 
+def _scaling():
+    from megatron_fp8rl.fp8 import triton_scaling
+
+    return triton_scaling
+
+
+_FLAGS: dict = {}
+
+
+def _flag(value: bool, device: torch.device) -> torch.Tensor:
+    """A constant 0-d bool `value` on `device`, made once (a read-only statistics flag: a fresh
+    one per call would be one more launch)."""
+    key = (value, device)
+    if key not in _FLAGS:
+        _FLAGS[key] = torch.tensor(value, device=device)
+    return _FLAGS[key]
+
+
 def _tensor_result(out: dict, scale_inv: torch.Tensor) -> Fp8Tensor:
     """A per-tensor Fp8Tensor from `quantize_codes` output, its transpose attached when written."""
     result = Fp8Tensor(out["codes"], scale_inv, "tensor")
@@ -125,78 +152,60 @@ def _tensor_result(out: dict, scale_inv: torch.Tensor) -> Fp8Tensor:
     return result
 
 
-def _per_tensor(x, scale, fmt, transposed, recalibrated, amax=False, scale_inv=None):
-    """(Fp8Tensor, DeviceQuantStats, quantize_codes output) of x quantized with one scale."""
-    tq = _kernels()
-    counts = tq.new_counters(x.device)
-    out = tq.quantize_codes(x, fmt, "tensor", scale=scale, transposed=transposed, amax=amax, counts=counts)
-    scale_inv = scale.reciprocal() if scale_inv is None else scale_inv
-    stats = DeviceQuantStats(counts, x.numel(), scale, fmt, recalibrated)
-    return _tensor_result(out, scale_inv), stats, out
+def _quantize_pass(q, x, scale, scale_inv, counts, transposed, recalibrated) -> Fp8Tensor:
+    """The quantize pass with a scale computed on the device; sets q.last_stats."""
+    out = _kernels().quantize_codes(x, q.fmt, "tensor", scale=scale, transposed=transposed, counts=counts)
+    q.last_stats = DeviceQuantStats(counts, x.numel(), scale, q.fmt, recalibrated)
+    return _tensor_result(out, scale_inv)
 
 
-def _finite_bound(x: torch.Tensor, scale=None, counts=None, fmt_name="e4m3") -> torch.Tensor:
-    """finite_amax(x) (0-d fp32) from the amax pass (with `scale`: overflow counted into counts[0])."""
-    partial = _kernels().row_bounds(x, scale, counts, fmt_name)
-    return partial.amax() if partial.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+def _group_reduce(q):
+    """The in-place MAX all-reduce the quantizer's recorded values take, or None where there is no
+    collective (reduce_amax off, or fewer than two ranks in its group)."""
+    if not q.spec.reduce_amax or not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_world_size(q.group) < 2:
+        return None
+    return lambda values: all_reduce_max_(values, q.group)
 
 
-def _true(device) -> torch.Tensor:
-    return torch.ones((), dtype=torch.bool, device=device)
+def _counters(x: torch.Tensor) -> torch.Tensor:
+    """Uninitialized int64 counters: the scaling kernel that runs before the quantize pass zeroes them."""
+    return torch.empty(len(_kernels().COUNTERS), dtype=torch.int64, device=x.device)
 
 
 def _current(q: CurrentQuantizer, x, transposed):
-    scale = scale_from_bound(_finite_bound(x), q.fmt.max, q.margin)
-    result, q.last_stats, _ = _per_tensor(x, scale, q.fmt, transposed, _true(x.device))
-    return result
+    """Three launches: amax pass, scale (zeroing the counters), quantize pass."""
+    counts = _counters(x)
+    partial, _ = _kernels().tensor_bounds(x)
+    out = _scaling().current_scale(partial, q.fmt, q.margin, counts)
+    return _quantize_pass(q, x, out["scale"], out["scale_inv"], counts, transposed, _flag(True, x.device))
 
 
 def _delayed(q: DelayedQuantizer, x, transposed):
-    state = _on_device(q.state, x.device)
-    result, q.last_stats, out = _per_tensor(x, state.scale, q.fmt, transposed, torch.zeros((), device=x.device),
-                                            amax=True)
-    nan = torch.full((), float("nan"), device=x.device)
-    state.record(torch.where(q.last_stats.counts[4] > 0, nan, out["amax"]))
-    spec = q.spec
-    state.update(spec.amax_compute_algo, q.fmt.max, spec.margin, q.group, spec.reduce_amax)
-    return result
-
-
-def _calibrated_weight_bound(q: CalibratedQuantizer, x):
-    """(bound all-reduced, scale) of a calibrated weight quantizer (from_current)."""
-    bound = q._reduce(_finite_bound(x).reshape(1))[0]
-    return bound, scale_from_bound(bound, q.fmt.max, q.spec.margin, q.state.scale)
+    """Three launches: counters, quantize pass (with its amax), the history and scale update."""
+    state, spec, tq = _on_device(q.state, x.device), q.spec, _kernels()
+    counts, used = tq.new_counters(x.device), state.scale
+    out = tq.quantize_codes(x, q.fmt, "tensor", scale=used, transposed=transposed, amax=True, counts=counts)
+    update = _scaling().delayed_update(out["amax_partial"], counts, state, q.fmt, spec.margin,
+                                       spec.amax_compute_algo == "most_recent", _group_reduce(q))
+    q.last_stats = DeviceQuantStats(counts, x.numel(), used, q.fmt, _flag(False, x.device))
+    return _tensor_result(out, update["scale_inv"])
 
 
 def _calibrated(q: CalibratedQuantizer, x, transposed):
+    """Three launches: amax pass (activations: with the overflow count under the predicted scale),
+    the decision, scale and state update, quantize pass."""
     check_device_quantizer(q)
-    spec, state = q.spec, _on_device(q.state, x.device)
+    spec, state, counts = q.spec, _on_device(q.state, x.device), _counters(x)
     if q.from_current:
-        bound, scale = _calibrated_weight_bound(q, x)
-        result, q.last_stats, _ = _per_tensor(x, scale, q.fmt, transposed, _true(x.device))
-        _record_weight(q, bound, scale)
-        q._device_bound_scale = (bound, scale)  # what a weight-cache hit records again
-        return result
-    overflow = _kernels().new_counters(x.device)
-    bound = _finite_bound(x, state.scale.float().reshape(()), overflow, q.fmt.name)
-    fraction = overflow[0].float() / max(x.numel(), 1)
-    no_bound = ((state.amax_history.amax() <= 0) & (state.scale == 1.0)).float()
-    decision = q._reduce(torch.stack([bound, fraction, no_bound]))
-    bound = decision[0]
-    recalibrate = (decision[2] > 0) | (decision[1] > spec.overflow_tolerance)
-    fresh = scale_from_bound(bound, q.fmt.max, spec.margin, state.scale)
-    scale = torch.where(recalibrate, fresh, state.scale)
-    result, q.last_stats, _ = _per_tensor(x, scale, q.fmt, transposed, recalibrate)
-    state.record(bound)
-    state.update("max", q.fmt.max, spec.margin, reduce=False)
-    return result
-
-
-def _record_weight(q: CalibratedQuantizer, bound, scale) -> None:
-    """A calibrated weight quantization's state update (quantizer.CalibratedQuantizer.quantize)."""
-    q.state.record(bound)
-    q.state.scale = scale
-    roll_amax_history_(q.state.amax_history)
+        partial, _ = _kernels().tensor_bounds(x)
+        out = _scaling().calibrated_weight_scale(partial, state, q.fmt, spec.margin, counts, _group_reduce(q))
+        q._device_bound_scale = (out["bound"], out["scale"])  # what a weight-cache hit records again
+        return _quantize_pass(q, x, out["scale"], out["scale_inv"], counts, transposed, _flag(True, x.device))
+    partial, overflow = _kernels().tensor_bounds(x, state.scale.float().reshape(()), q.fmt.name)
+    out = _scaling().calibrated_scale(partial, overflow, x.numel(), state, q.fmt, spec, counts, _group_reduce(q))
+    return _quantize_pass(q, x, out["scale"], out["scale_inv"], counts, transposed, out["recalibrated"])
 
 
 def _blockwise(q: BlockQuantizer, x, transposed):
@@ -209,27 +218,28 @@ def _blockwise(q: BlockQuantizer, x, transposed):
     result = Fp8Tensor(out["codes"], out["scale_inv"], "block", q.block)
     if transposed:
         result.transposed = Fp8Tensor(out["codes_t"], out["scale_inv_t"], "block", q.block)
-    q.last_stats = DeviceQuantStats(counts, x.numel(), out["scale_inv"], q.fmt, _true(x.device),
+    q.last_stats = DeviceQuantStats(counts, x.numel(), out["scale_inv"], q.fmt, _flag(True, x.device),
                                     scales_are_inverse=True)
     return result
 
 
-def _static_scale_inv(q: StaticQuantizer, device) -> torch.Tensor:
-    """The quantizer's fixed scale_inv on `device`, copied there once (not at every call)."""
-    cached = getattr(q, "_device_scale_inv", None)
-    if cached is None or cached.device != device:
-        cached = q._device_scale_inv = q.scale_inv.to(device)
+def _static_scales(q: StaticQuantizer, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer's fixed (scale, scale_inv) on `device`, made there once (not at every call)."""
+    cached = getattr(q, "_device_scales", None)
+    if cached is None or cached[1].device != device:
+        scale_inv = q.scale_inv.to(device)
+        cached = q._device_scales = (scale_inv.reciprocal(), scale_inv)
     return cached
 
 
 def _static(q: StaticQuantizer, x, transposed):
-    scale_inv = _static_scale_inv(q, x.device)
-    result, stats, _ = _per_tensor(x, scale_inv.reciprocal(), q.fmt, transposed,
-                                   torch.zeros((), device=x.device), scale_inv=scale_inv)
-    q.last_stats = stats
+    """Two launches (counters, quantize pass), and the observer's quantization when it has one."""
+    scale, scale_inv = _static_scales(q, x.device)
+    result = _quantize_pass(q, x, scale, scale_inv, _kernels().new_counters(x.device), transposed,
+                            _flag(False, x.device))
     if q.observer is not None:
         device_quantize(q.observer, x)
-        q.observer.last_stats = stats
+        q.observer.last_stats = q.last_stats
     return result
 
 
@@ -237,8 +247,7 @@ def device_quantize_rows(x: torch.Tensor, fmt: Fp8Format, margin: int = 0) -> Fp
     """fp8/quantize.py `quantize_per_row(x, fmt, margin)` of a 2-D x on the device path (an amax
     pass, the row scales on the device, the quantize pass): for row-wise scaled GEMMs; no recipe
     quantizes per row today. scale_inv [M, 1]."""
-    partial = _kernels().row_bounds(x, fmt_name=fmt.name)
-    scale = scale_from_bound(partial.amax(0), fmt.max, margin)
+    scale = scale_from_bound(_kernels().row_bounds(x).amax(0), fmt.max, margin)
     out = _kernels().quantize_codes(x, fmt, "row", scale=scale)
     return Fp8Tensor(out["codes"], scale.reciprocal().reshape(-1, 1), "row")
 
@@ -259,9 +268,8 @@ def device_quantize(quantizer, x: torch.Tensor, transposed: bool = False) -> Fp8
 
 
 def _cacheable(quantizer) -> bool:
-    """Weight quantizers whose result depends on the weight alone (module docstring)."""
-    return (isinstance(quantizer, (BlockQuantizer, CurrentQuantizer, StaticQuantizer))
-            or (isinstance(quantizer, CalibratedQuantizer) and quantizer.from_current))
+    """Weight quantizers whose result is reused until the weight changes (module docstring)."""
+    return not isinstance(quantizer, CalibratedQuantizer) or quantizer.from_current
 
 
 def weight_cache_key(weight: torch.Tensor) -> tuple:
@@ -271,23 +279,38 @@ def weight_cache_key(weight: torch.Tensor) -> tuple:
             weight.device)
 
 
-def device_quantize_weight(quantizer, weight: torch.Tensor) -> Fp8Tensor:
-    """`device_quantize(quantizer, weight, transposed=True)`, reused while `weight_cache_key` is
-    unchanged (module docstring); the cache lives on the quantizer (`_device_weight_cache`)."""
+def device_quantize_weight(quantizer, weight: torch.Tensor, transposed: bool = True) -> Fp8Tensor:
+    """`device_quantize(quantizer, weight, transposed)`, reused while `weight_cache_key` is
+    unchanged (module docstring); the cache lives on the quantizer (`_device_weight_cache`). A hit
+    without the transposed copy a caller now asks for gets it added (`_add_transposed`)."""
     if not _cacheable(quantizer):
-        return device_quantize(quantizer, weight, transposed=True)
+        return device_quantize(quantizer, weight, transposed=transposed)
     key, cached = weight_cache_key(weight), getattr(quantizer, "_device_weight_cache", None)
-    if cached is not None and cached[0] == key:
-        _, result, stats, bound_scale = cached
-        if bound_scale is not None:
-            _record_weight(quantizer, *bound_scale)
-        quantizer.last_stats = stats
-        if isinstance(quantizer, StaticQuantizer) and quantizer.observer is not None:
-            device_quantize_weight(quantizer.observer, weight)
-            quantizer.observer.last_stats = stats
+    if cached is None or cached[0] != key:
+        result = device_quantize(quantizer, weight, transposed=transposed)
+        bound_scale = getattr(quantizer, "_device_bound_scale", None) if isinstance(quantizer, CalibratedQuantizer) \
+            else None
+        quantizer._device_weight_cache = (key, result, quantizer.last_stats, bound_scale)
         return result
-    result = device_quantize(quantizer, weight, transposed=True)
-    calibrated = isinstance(quantizer, CalibratedQuantizer)
-    bound_scale = getattr(quantizer, "_device_bound_scale", None) if calibrated else None
-    quantizer._device_weight_cache = (key, result, quantizer.last_stats, bound_scale)
+    _, result, stats, bound_scale = cached
+    if bound_scale is not None:
+        _scaling().calibrated_weight_hit(quantizer.state, *bound_scale, quantizer.fmt)
+    quantizer.last_stats = stats
+    if isinstance(quantizer, StaticQuantizer) and quantizer.observer is not None:
+        device_quantize_weight(quantizer.observer, weight, transposed)
+        quantizer.observer.last_stats = stats
+    if transposed and result.transposed is None:
+        _add_transposed(quantizer, weight, result)
     return result
+
+
+def _add_transposed(quantizer, weight: torch.Tensor, result: Fp8Tensor) -> None:
+    """Attach to a cached weight quantization (made by a no-grad pass) the copy the backward reads:
+    per tensor the transposed codes (exact: no state moves, as the hit promised), blocks and
+    groups the stateless quantizer's own pass with it."""
+    if result.granularity == "tensor":
+        result.transposed = Fp8Tensor(result.data.t().contiguous(), result.scale_inv, "tensor")
+        return
+    stats = quantizer.last_stats
+    result.transposed = device_quantize(quantizer, weight, transposed=True).transposed
+    quantizer.last_stats = stats

@@ -209,7 +209,9 @@ class BlockQuantizer:
 
 
 class DelayedQuantizer:
-    """TE delayed scaling: use the scale from history, then record amax(x) and update."""
+    """TE delayed scaling: use the scale from history, then record amax(x) and update. Here every
+    call quantizes (a weight too); the device path quantizes a weight once per weight change and
+    leaves the state alone on cache hits, as TE's cached FP8 weights do (fp8/device_quantize.py)."""
 
     def __init__(self, fmt: Fp8Format, spec: recipes.DelayedScaling, group=None):
         self.fmt, self.spec, self.group = fmt, spec, group

@@ -4,7 +4,7 @@ Owns: the kernels `_quantize_kernel` (codes, in-kernel scales for groups and blo
 or column-wise copy, statistics counters, the tensor's amax) and `_amax_kernel` (the per-row finite
 max |x| a per-tensor or per-row scale needs before the quantization pass, and the overflow count of
 the calibrated recipe's predicted scale), and their host launchers `quantize_codes` and
-`row_bounds`. fp8/device_quantize.py picks the launches per quantizer.
+`row_bounds` / `tensor_bounds`. fp8/device_quantize.py picks the launches per quantizer.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch and triton
 only; only the device path imports this module, so the CPU tier never imports triton).
 
@@ -135,18 +135,25 @@ def _quantize_kernel(x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, scale_ptr, amax_ptr, c
         tl.atomic_add(counts_ptr + 4, _sum(_sum((x != x).to(tl.int32), 1), 0).to(tl.int64))
 
 
-def _amax_kernel(x_ptr, rowmax_ptr, scale_ptr, counts_ptr, M, K, stride_xm, LIMIT: tl.constexpr,
-                 OVERFLOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each row's max |x| over its finite elements within this program's columns into
-    rowmax [cdiv(K, BLOCK_K), M]; OVERFLOW: add the count of elements whose |x * scale_ptr[0]| is
-    finite and above LIMIT (the calibrated recipe's overflow check) into counts_ptr[0]."""
+def _amax_kernel(x_ptr, bound_ptr, scale_ptr, overflow_ptr, M, K, stride_xm, LIMIT: tl.constexpr,
+                 OVERFLOW: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Max |x| over the finite elements: ROWS, each row's within this program's columns into
+    bound [cdiv(K, BLOCK_K), M]; else this program's tile's into bound[program] (a per-tensor
+    scale reduces far fewer partials). OVERFLOW: the count of this program's elements whose
+    |x * scale_ptr[0]| is finite and above LIMIT (the calibrated recipe's overflow check) into
+    overflow_ptr[program] (int32; stored, not added: no zeroed buffer needed)."""
     pid_k = tl.program_id(1)
+    program = tl.program_id(0) * tl.num_programs(1) + pid_k
     rows, cols, inside, x, magnitude, finite, finite_mag = _load_tile(x_ptr, M, K, stride_xm, BLOCK_M, BLOCK_K)
-    tl.store(rowmax_ptr + pid_k * M + rows, _max(finite_mag, 1), mask=rows < M)
+    row_max = _max(finite_mag, 1)
+    if ROWS:
+        tl.store(bound_ptr + pid_k * M + rows, row_max, mask=rows < M)
+    else:
+        tl.store(bound_ptr + program, _max(row_max, 0))
     if OVERFLOW:
         scaled = tl.abs(x * tl.load(scale_ptr))
         over = (scaled < float("inf")) & (scaled > LIMIT)
-        tl.atomic_add(counts_ptr, _sum(_sum(over.to(tl.int32), 1), 0).to(tl.int64))
+        tl.store(overflow_ptr + program, _sum(_sum(over.to(tl.int32), 1), 0))
 
 
 def _reductions(interpret: bool) -> dict:
@@ -211,20 +218,33 @@ def new_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
 
 
-def row_bounds(x: torch.Tensor, scale: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-               fmt_name: str = "e4m3") -> torch.Tensor:
-    """Partial finite max |x| per row [cdiv(K, 128), M] fp32 (`.amax(0)`: each row's finite max,
-    `.amax()`: the tensor's); with `scale` (0-d fp32) and `counts`, also adds the number of
-    elements whose |x * scale| is finite and above the format's rounding limit into counts[0]."""
+def row_bounds(x: torch.Tensor) -> torch.Tensor:
+    """Partial finite max |x| per row [cdiv(K, 128), M] fp32 (`.amax(0)`: each row's finite max)."""
+    return _amax_pass(x, rows=True)[0]
+
+
+def tensor_bounds(x: torch.Tensor, scale: torch.Tensor | None = None,
+                  fmt_name: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(partial, overflow), one entry per program of the amax pass: partial, its tile's finite max
+    |x| (fp32, `.amax()`: the tensor's); with `scale` (0-d fp32) overflow, the number of its
+    elements whose |x * scale| is finite and above the format's rounding limit (int32, `.sum()`:
+    the tensor's count), else None."""
+    return _amax_pass(x, scale, fmt_name)
+
+
+def _amax_pass(x, scale=None, fmt_name="e4m3", rows=False):
+    """One launch of the amax kernel for `row_bounds` / `tensor_bounds`."""
     check_input(x)
     (m, k), (block_m, block_k) = x.shape, TENSOR_TILE
-    partial = torch.empty(triton.cdiv(k, block_k), m, dtype=torch.float32, device=x.device)
-    overflow = scale is not None
-    _, kernel = _kernels(_mode(x.device))
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
-    kernel[grid](x, partial, scale if overflow else partial, counts if overflow else partial, m, k, x.stride(0),
-                 LIMIT=format_constants(fmt_name)["LIMIT"], OVERFLOW=overflow, BLOCK_M=block_m, BLOCK_K=block_k)
-    return partial
+    shape = (grid[1], m) if rows else (grid[0] * grid[1],)
+    partial = torch.empty(shape, dtype=torch.float32, device=x.device)
+    overflow = None if scale is None else torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+    _, kernel = _kernels(_mode(x.device))
+    kernel[grid](x, partial, partial if scale is None else scale, partial if overflow is None else overflow, m, k,
+                 x.stride(0), LIMIT=format_constants(fmt_name)["LIMIT"], OVERFLOW=overflow is not None,
+                 ROWS=rows, BLOCK_M=block_m, BLOCK_K=block_k)
+    return partial, overflow
 
 
 def quantize_codes(x: torch.Tensor, fmt, scales: str, scale: torch.Tensor | None = None, block: int = 128,
@@ -234,8 +254,9 @@ def quantize_codes(x: torch.Tensor, fmt, scales: str, scale: torch.Tensor | None
     'codes' [M, K] (fmt.dtype), 'scale_inv' (scales 'group': [M, cdiv(K, block)], 'block':
     [cdiv(M, block), cdiv(K, block)]; absent for given scales), 'codes_t' [K, M] with `transposed`
     or `colwise` ('scale_inv_t': [cdiv(K, block), cdiv(M, block)] for transposed blocks,
-    [K, cdiv(M, block)] for colwise groups), 'amax' (max |x| over non-NaN elements, 0-d, with
-    `amax`). scales 'tensor' / 'row' take `scale` ([] / [M] fp32). `counts`: int64 COUNTERS the
+    [K, cdiv(M, block)] for colwise groups), 'amax_partial' (with `amax`: each program's max |x|
+    over non-NaN elements, fp32 [programs]; `.amax()` is the tensor's, 0 for an empty x).
+    scales 'tensor' / 'row' take `scale` ([] / [M] fp32). `counts`: int64 COUNTERS the
     statistics are added into (None: not counted)."""
     check_input(x)
     if scales not in SCALES or (colwise and scales != "group") or (transposed and scales not in ("tensor", "block")):
@@ -257,7 +278,7 @@ def quantize_codes(x: torch.Tensor, fmt, scales: str, scale: torch.Tensor | None
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=device) if amax else None
     _launch(x, out, scale, partial, counts, fmt, scales, margin, transposed, colwise, (block_m, block_k), grid)
     if amax:
-        out["amax"] = partial.amax() if partial.numel() else partial.new_zeros(())
+        out["amax_partial"] = partial
     return out
 
 
