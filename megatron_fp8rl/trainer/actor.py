@@ -289,6 +289,6 @@ def _mean_metrics(results: list[StepResult]) -> dict[str, float]:
     metrics = {}
     for name in names:
         values = [r.metrics[name] for r in results if name in r.metrics]
-        metrics[name if name.startswith("noise/") else f"train/{name}"] = sum(values) / len(values)
+        metrics[name if name.startswith(("noise/", "kl/")) else f"train/{name}"] = sum(values) / len(values)
     metrics["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
     return metrics

@@ -9,6 +9,7 @@ import torch
 
 from megatron_fp8rl.rl.common import RLInputError
 from megatron_fp8rl.rl.kl import ESTIMATORS, VERL_NAMES, kl_estimate, kl_metrics, sequence_kl_penalty
+from megatron_fp8rl.rl.losses import AGGREGATION_MODES, policy_loss
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "verl_kl_penalty.json").read_text())
 
@@ -86,3 +87,39 @@ def test_k3_gradient_stays_finite_far_below_the_reference():
     values = kl_estimate(logprobs, torch.zeros(1, 2), "k3")
     values.sum().backward()
     assert values.tolist() == [[10.0, 10.0]] and logprobs.grad.tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_policy_loss_adds_the_kl_term_aggregated_as_the_policy_term(mode):
+    """loss(β) − loss(0) = β·agg(k3) with the policy loss's mode; the gradients differ by β·∂agg(k3)."""
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(3, 5, generator=generator, dtype=torch.float64)
+    ref = logprobs + 0.3 * torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    advantages = torch.randn(3, 1, generator=generator, dtype=torch.float64).expand(3, 5)
+
+    def loss_and_grad(coef):
+        leaf = logprobs.clone().requires_grad_(True)
+        out = policy_loss(leaf, logprobs, advantages, mask, agg_mode=mode, ref_logprobs=ref, kl_coef=coef)
+        out.loss.backward()
+        return out, leaf.grad
+
+    with_kl, grad_kl = loss_and_grad(0.25)
+    without, grad = loss_and_grad(0.0)
+    # hand-aggregated k3 = e^(ref−logp) − (ref−logp) − 1 over the masked tokens
+    k3 = (ref - logprobs).exp() - (ref - logprobs) - 1
+    m = mask.double()
+    expected = {"token-mean": (k3 * m).sum() / m.sum(),
+                "seq-mean-token-sum": (k3 * m).sum(1).mean(),
+                "seq-mean-token-mean": ((k3 * m).sum(1) / m.sum(1)).mean(),
+                "seq-mean-token-sum-norm": ((k3 * m).sum(1) / 5).mean()}[mode]
+    torch.testing.assert_close(with_kl.loss - without.loss, 0.25 * expected)
+    torch.testing.assert_close(with_kl.metrics["kl_loss"], expected)
+    assert "kl_loss" not in without.metrics and "kl/mean" in with_kl.metrics
+    assert not torch.equal(grad_kl, grad)
+
+
+def test_policy_loss_refuses_a_kl_coefficient_without_reference_logprobs():
+    x = torch.zeros(1, 2)
+    with pytest.raises(RLInputError, match="ref_logprobs is None"):
+        policy_loss(x, x, x, torch.ones(1, 2), kl_coef=0.1)
