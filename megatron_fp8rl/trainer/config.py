@@ -322,7 +322,10 @@ class KLConfig:
     (model.hf_path). Its architecture and vocabulary must be model.hf_path's."""
     precision: str = "actor"
     """The reference's arithmetic (REFERENCE_PRECISIONS): actor (model.dtype with the actor's FP8
-    recipe: FP8 end to end), bfloat16 or float32 (no FP8)."""
+    recipe: FP8 end to end; its delayed-scaling state advances with its own passes, as the
+    recompute's does, so its log-probs carry FP8 noise), bfloat16 or float32 (no FP8: a fixed
+    function of its frozen weights). With model.fp8_backend=te, actor precision is refused (TE
+    leaves forward scales unchanged in no-grad passes)."""
     offload: bool = False
     """Keep the reference's weights in host memory between its passes (GPU tier; the copy's time
     is logged as time/reference_offload_s). Refused on a process without CUDA."""
@@ -559,5 +562,9 @@ class RunConfig:
         _check(not (self.fp8_plan.aligned and self.model.fp8_backend == "te"), "model.fp8_backend",
                "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
                "arithmetic; use model.fp8_backend=ours")
+        _check(not (self.algorithm.kl.enabled and self.algorithm.kl.precision == "actor" and self.model.fp8 != "none"
+                    and self.model.fp8_backend == "te"), "algorithm.kl.precision",
+               "actor with model.fp8_backend=te is not wired: TE does not update forward FP8 scales in no-grad "
+               "passes, and the reference runs only those; use bfloat16 or float32")
         _check(self.algorithm.agg_mode in AGGREGATION_MODES, "algorithm.agg_mode",
                f"{self.algorithm.agg_mode!r} is not one of {AGGREGATION_MODES}")

@@ -28,7 +28,14 @@ def test_our_and_verls_estimator_names_load(estimator):
     (["algorithm.kl.coef=0.1", "algorithm.kl.precision=fp16"], r"algorithm.kl.precision: 'fp16' is not one of"),
     (["algorithm.kl.in_reward=true"], r"algorithm.kl.in_reward: is set but algorithm.kl.coef is 0"),
     (["algorithm.kl.reference_path=/ref"], r"algorithm.kl.reference_path: is set but algorithm.kl.coef is 0"),
+    (["algorithm.kl.coef=0.1", "model.fp8=te_delayed", "model.fp8_backend=te"],
+     r"algorithm.kl.precision: actor with model.fp8_backend=te is not wired"),
 ])
 def test_bad_kl_settings_name_the_key(overrides, message):
     with pytest.raises(Exception, match=message):
         _load(*overrides)
+
+
+def test_a_te_actor_takes_a_high_precision_reference():
+    cfg = _load("algorithm.kl.coef=0.1", "model.fp8=te_delayed", "model.fp8_backend=te", "algorithm.kl.precision=bfloat16")
+    assert cfg.algorithm.kl.precision == "bfloat16"
