@@ -3,6 +3,7 @@ gloo): built from the actor's converted start, its log-probs equal the actor's r
 log-probs bit for bit before any update and stay put while the actor moves; a reference checkpoint
 of another architecture or vocabulary is refused naming the field; offload is refused without CUDA.
 Tiny random Llama converted once per module."""
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -12,12 +13,15 @@ import torch
 
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.models.hf import build_conversion_target
+from megatron_fp8rl.config.loader import load_config
+from megatron_fp8rl.rl.advantages import grpo_advantages
 from megatron_fp8rl.rollout.engine import RolloutSample
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.batch import build_batch
-from megatron_fp8rl.trainer.config import AlgorithmConfig, KLConfig, ModelConfig, TrainConfig
+from megatron_fp8rl.trainer.config import AlgorithmConfig, KLConfig, ModelConfig, RunConfig, TrainConfig
 from megatron_fp8rl.trainer.objective import Objective
 from megatron_fp8rl.trainer.reference import ReferenceMismatchError, ReferencePolicy, build_reference
+from megatron_fp8rl.trainer.rl_step import StepContext, _make_batch, _with_reference
 from tests.helpers.tiny_models import build_tiny_model
 
 MICRO_BATCH = 2
@@ -34,14 +38,20 @@ def converted(megatron_tp1, tmp_path_factory):
     return model, root / "run"
 
 
-def _batch():
-    """5 sequences of different lengths (micro-batches of 2: the last one padded)."""
+def _samples(count: int = 5) -> list[RolloutSample]:
+    """`count` sequences of different lengths, rollout log-prob −1 per response token."""
     generator = torch.Generator().manual_seed(5)
     samples = []
-    for row in range(5):
+    for row in range(count):
         prompt = torch.randint(3, 120, (3 + row % 2,), generator=generator).tolist()
         response = torch.randint(3, 120, (2 + row,), generator=generator).tolist()
         samples.append(RolloutSample(row, prompt, response, [-1.0] * len(response), "length", 0))
+    return samples
+
+
+def _batch():
+    """5 sequences (micro-batches of 2: the last one padded)."""
+    samples = _samples()
     return build_batch(samples, torch.zeros(5), max(len(s.prompt_token_ids) + len(s.token_ids) for s in samples))
 
 
@@ -109,3 +119,38 @@ def test_offload_is_refused_by_name_without_cuda(converted):
     with pytest.raises(ValueError, match="algorithm.kl.offload: .*no CUDA device"):
         ReferencePolicy(run / "init_megatron", json.loads((model / "config.json").read_text()),
                         ModelConfig(hf_path=str(model)), KLConfig(coef=0.1, offload=True), MICRO_BATCH)
+
+
+@pytest.mark.parametrize("in_reward", [False, True])
+def test_the_step_attaches_the_reference_or_folds_the_kl_into_the_rewards(converted, in_reward):
+    """rl_step's reference phase: the batch carries log π_ref (timed); in_reward: the advantages
+    are GRPO's of reward_i − β·Σ_t k3(rollout_t, ref_t), worked out here from the formula (one
+    group of 4; rollout log-probs within ~0.3 of the reference's, inside k3's clamps)."""
+    model, run = converted
+    cfg = load_config(RunConfig, None, [f"model.hf_path={model}", "rollout.n_samples=4", "algorithm.name=grpo",
+                                        f"train.micro_batch_size={MICRO_BATCH}", "algorithm.kl.coef=0.5",
+                                        f"algorithm.kl.in_reward={str(in_reward).lower()}"])
+    actor = _actor(model, run)
+    reference = build_reference(cfg.algorithm.kl, run, actor, actor.model_cfg, MICRO_BATCH, "auto")
+    ctx = StepContext(cfg=cfg, actor=actor, engine=None, reward_fn=None, decode=None, reference=reference)
+    samples, rewards = _samples(4), torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    first = reference.logprobs(_make_batch(cfg, samples, rewards), {})
+    noise = torch.Generator().manual_seed(2)
+    samples = [  # the "rollout": the reference's log-probs plus noise
+        dataclasses.replace(sample, logprobs=(first[row, len(sample.prompt_token_ids) - 1:][:len(sample.token_ids)]
+                                              + 0.3 * torch.randn(len(sample.token_ids), generator=noise)).tolist())
+        for row, sample in enumerate(samples)]
+    batch = _make_batch(cfg, samples, rewards)
+    out, metrics = _with_reference(ctx, batch, samples, rewards)
+    assert torch.equal(out.ref_logprobs, first) and "time/reference_s" in ctx.timings
+    if not in_reward:
+        assert metrics == {} and torch.equal(out.advantages, batch.advantages)
+        return
+    mask = batch.response_mask
+    gap = (out.ref_logprobs - batch.rollout_logprobs) * mask
+    k3 = (gap.exp() - gap - 1) * mask
+    assert 0 < float(k3.max()) < 10  # inside verl's clamp
+    expected = grpo_advantages((rewards.flatten() - 0.5 * k3.sum(1)).view(1, 4)).flatten()[:, None] * mask
+    torch.testing.assert_close(out.advantages, expected)
+    assert not torch.allclose(out.advantages, batch.advantages, atol=1e-3)
+    assert metrics["kl/max"] == pytest.approx(float(k3.max()))
