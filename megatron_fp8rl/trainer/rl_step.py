@@ -1,4 +1,5 @@
-"""One RL step: rollout -> reward -> advantages -> old-logprob recompute -> policy update -> sync.
+"""One RL step: rollout -> reward -> advantages -> old-logprob recompute -> reference log-probs
+(algorithm.kl only) -> policy update -> sync.
 
 Owns: `rl_step` (the data flow of DESIGN.md on one screen) and the helpers it calls in order:
 rollouts (with per-step sampling seeds, `rollout_seed`) and rewards run on global rank 0 (the
