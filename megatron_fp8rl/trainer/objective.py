@@ -13,7 +13,9 @@ Where the noise floor Δ = log π_old − log π_rollout comes from (logged as n
   A periodic recompute would cost the forward bypass exists to save, and a stale floor.
 
 The KL penalty toward the reference policy (algorithm.kl, in the loss) is part of the policy
-loss (rl.losses.policy_loss) on the reference log-probs each micro-batch carries.
+loss (rl.losses.policy_loss) on the reference log-probs each micro-batch carries; its kl/mean and
+kl/max are averaged over micro-batches, DP ranks and mini-batches as every train metric is (kl/max:
+the mean of each micro-batch's largest per-token value).
 
 Owns: `Objective` (built once per run from AlgorithmConfig; trainer.actor.MegatronActor.update
 calls its `loss` per micro-batch with the mini-batch's `MiniBatchTerms`), `effective_thresholds`.
