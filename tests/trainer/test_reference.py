@@ -22,9 +22,12 @@ from megatron_fp8rl.trainer.config import AlgorithmConfig, KLConfig, ModelConfig
 from megatron_fp8rl.trainer.objective import Objective
 from megatron_fp8rl.trainer.reference import ReferenceMismatchError, ReferencePolicy, build_reference
 from megatron_fp8rl.trainer.rl_step import StepContext, _make_batch, _with_reference
+from tests.helpers.processes import run_torchrun
+from tests.helpers.tiny_hf import save_tiny_hf
 from tests.helpers.tiny_models import build_tiny_model
 
 MICRO_BATCH = 2
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "reference_layouts.py"
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +157,14 @@ def test_the_step_attaches_the_reference_or_folds_the_kl_into_the_rewards(conver
     torch.testing.assert_close(out.advantages, expected)
     assert not torch.allclose(out.advantages, batch.advantages, atol=1e-3)
     assert metrics["kl/max"] == pytest.approx(float(k3.max()))
+
+
+@pytest.mark.multiprocess
+def test_reference_at_the_actors_tp_and_pp_layouts(tmp_path):
+    """2 processes (torchrun, gloo): TP2 and PP2. The reference equals the actor's recompute bit
+    for bit on the last stage, and the first stage holds the same values (tests/workers/reference_layouts.py)."""
+    save_tiny_hf("llama", tmp_path / "hf", dtype=torch.float32)
+    layouts = ("tp2pp1", "tp1pp2")
+    run_torchrun(WORKER, 2, "--workdir", str(tmp_path), "--layouts", *layouts)
+    for tag in layouts:
+        assert json.loads((tmp_path / f"result_{tag}.json").read_text()) == {"ranks": 2}
