@@ -11,9 +11,12 @@ step by step so that both see the same machine load:
   reward function called in-process, group advantages, one policy-gradient step (AdamW, token-mean
   loss over micro-batches, gradient clip 1.0). Its old logprobs are the training forward's own
   (detached; θ = θ_old), and the generating model is the trained one: no recompute, no sync.
-Rows: `fp32` (model.dtype and rollout.dtype float32, no FP8) and `fp8_aligned`
-(model.fp8=calibrated, rollout.fp8=aligned, algorithm.old_policy=bypass), each against the same
-plain float32 step. Ratios are project / plain seconds per phase (rollout includes scoring);
+Rows: `fp32` (model.dtype and rollout.dtype float32, no FP8), `fp8_aligned`
+(model.fp8=calibrated, rollout.fp8=aligned, algorithm.old_policy=bypass) and `fp32_kl` (fp32 with
+a KL penalty, algorithm.kl.coef=0.001: a float32 reference model and its forward pass each step),
+each against the same plain float32 step. A row with a reference model also prints the reference
+pass against the same step without it (its total less the reference pass, same steps, same load)
+and against the step's recompute pass when one runs (`--project-overrides train.mini_batches=2`). Ratios are project / plain seconds per phase (rollout includes scoring);
 the first step of each side is a warm-up and is not averaged. The box is shared: read the ratios
 (measured in the same run), with the load average printed beside them.
 
@@ -43,8 +46,9 @@ sys.path.insert(0, str(REPO))
 
 ROWS = {"fp32": [],
         "fp8_aligned": ["model.fp8=calibrated", "rollout.fp8=aligned", "algorithm.old_policy=bypass",
-                        "algorithm.correction=none"]}
-PHASES = ("rollout", "recompute", "train", "sync", "total")
+                        "algorithm.correction=none"],
+        "fp32_kl": ["algorithm.kl.coef=0.001"]}
+PHASES = ("rollout", "recompute", "reference", "train", "sync", "total")
 
 
 def _config(args, model: Path, run_dir: Path, extra: list[str]):
@@ -91,7 +95,7 @@ class PlainGRPO:
         rolled = time.perf_counter()
         self._update(sequences, attention, response_mask, advantages)
         done = time.perf_counter()
-        return {"rollout": rolled - start, "recompute": 0.0, "train": done - rolled, "sync": 0.0,
+        return {"rollout": rolled - start, "recompute": 0.0, "reference": 0.0, "train": done - rolled, "sync": 0.0,
                 "total": done - start, "tokens": float(lengths.sum())}
 
     def _generate(self, prompts: list[list[int]]):
@@ -233,6 +237,21 @@ def main() -> None:
             cells.append(f"{ratio} ({ours:.1f} / {theirs:.1f})")
         tokens = f"{_mean(project, 'tokens'):.0f} / {_mean(plain, 'tokens'):.0f}"
         print(f"| {name} | " + " | ".join(cells) + f" | {tokens} |")
+    _print_reference_cost(results)
+
+
+def _print_reference_cost(results: dict[str, tuple[list[dict], list[dict]]]) -> None:
+    """Rows with a reference model: the step against the same step without the reference pass."""
+    rows = {name: project for name, (project, _) in results.items() if _mean(project, "reference") > 0}
+    if not rows:
+        return
+    print("\n| row | reference pass | step without it | step with / without | reference / recompute |")
+    print("|---|---|---|---|---|")
+    for name, project in rows.items():
+        reference, total, recompute = (_mean(project, key) for key in ("reference", "total", "recompute"))
+        versus_recompute = f"{reference / recompute:.2f}x" if recompute > 0 else "no recompute ran"
+        print(f"| {name} | {reference:.2f}s | {total - reference:.2f}s | {total / (total - reference):.3f}x "
+              f"| {versus_recompute} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Policy losses: PPO clipping (DAPO clip-higher, dual-clip), GSPO's sequence ratio, loss
-aggregation, entropy bonus. (No KL penalty against a reference policy: the trainer runs no
-reference model, as DAPO and GSPO drop the term.)
+aggregation, entropy bonus, and the KL penalty toward a reference policy (its estimators: rl/kl.py;
+off unless a coefficient is given, as DAPO and GSPO drop the term).
 
 Owns: per-token surrogate losses and their reduction to the scalar the trainer backpropagates.
 Must not import: anything from megatron_fp8rl outside rl/, megatron, or model code (layer L0).
@@ -24,6 +24,7 @@ from megatron_fp8rl.rl.common import (
     check_same_shape,
     float_mask,
 )
+from megatron_fp8rl.rl.kl import kl_estimate, kl_metrics
 from megatron_fp8rl.rl.metrics import clip_metrics, entropy_metrics
 
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -157,9 +158,10 @@ class PolicyLoss:
     """The scalar to backpropagate and detached 0-dim metrics about it."""
 
     loss: torch.Tensor
-    """Total loss: policy-gradient term − entropy_coef·entropy."""
+    """Total loss: policy-gradient term − entropy_coef·entropy + kl_coef·KL."""
     metrics: dict[str, torch.Tensor]
-    """pg_loss, clip fractions, ratio min/mean/max, and entropy when that term is on."""
+    """pg_loss, clip fractions, ratio min/mean/max, and entropy / kl_loss, kl/mean, kl/max when
+    those terms are on."""
 
 
 def policy_loss(
@@ -179,11 +181,14 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     decision_ratio: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> PolicyLoss:
-    """GRPO / DAPO / GSPO policy loss with optional mismatch correction and entropy bonus.
+    """GRPO / DAPO / GSPO policy loss with optional mismatch correction, entropy bonus and KL penalty.
 
         L_t  = w_t · max(−A_t·ρ_t, −A_t·clip(ρ_t, 1 − ε_low, 1 + ε_high))  [dual clip: see clipped_surrogate]
-        loss = agg(L) − entropy_coef · agg(H)
+        loss = agg(L) − entropy_coef · agg(H) + kl_coef · agg(k(logp, ref_logp))
 
     ρ_t is `token_ratio` (ratio_level="token": GRPO, DAPO) or `sequence_ratio` ("sequence": GSPO,
     which the paper pairs with clip 3e-4/4e-4 and agg_mode="seq-mean-token-mean"). w_t are the
@@ -199,9 +204,14 @@ def policy_loss(
         decision_ratio: [B, T] or None: the ratio that decides which tokens are clipped (the shadow
             gate; token level only, see `clipped_surrogate`); the clip_frac_* metrics count its
             decisions, ratio_* stay those of ρ.
+        ref_logprobs, kl_coef, kl_estimator: log π_ref [B, T], β and the estimator (rl/kl.py) of
+            the KL term, aggregated as the policy term but without the mismatch weights (verl's
+            use_kl_loss); off when kl_coef is 0.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, response_mask, correction_weights,
                          entropy, ratio_level)
+    if kl_coef and ref_logprobs is None:
+        raise RLInputError("kl_coef is set but ref_logprobs is None (the reference policy's log-probs)")
     if ratio_level == "token":
         ratio = token_ratio(logprobs, old_logprobs)
     else:
@@ -231,6 +241,11 @@ def policy_loss(
     if entropy is not None:
         loss = loss - entropy_coef * aggregate(entropy)
         metrics.update(entropy_metrics(entropy, response_mask))
+    if kl_coef:
+        penalty = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        kl_loss = aggregate(penalty)
+        loss = loss + kl_coef * kl_loss
+        metrics.update({"kl_loss": kl_loss.detach(), **kl_metrics(penalty, response_mask)})
     return PolicyLoss(loss=loss, metrics=metrics)
 
 

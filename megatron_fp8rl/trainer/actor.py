@@ -79,7 +79,7 @@ def convert_initial_checkpoint(hf_path: Path, output: Path) -> Path:
     return output
 
 
-def _load_weights_only(model: torch.nn.Module, directory: Path) -> None:
+def load_weights_only(model: torch.nn.Module, directory: Path) -> None:
     """Load the weights of a converted HF checkpoint; FP8 scaling state (`_extra_state`), which
     such a checkpoint does not have, starts fresh. Any other missing tensor is an error."""
     verify_torch_dist(directory)
@@ -90,6 +90,28 @@ def _load_weights_only(model: torch.nn.Module, directory: Path) -> None:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"{directory}: missing tensors {missing}, unexpected {unexpected}")
+
+
+def micro_batch_logprobs(model: torch.nn.Module, micro: list[RolloutBatch], as_served: bool) -> list[torch.Tensor]:
+    """Per micro-batch [B, S] logprobs of `model` (a GPTModel chunk, DDP-wrapped or not) on the
+    last pipeline stage ([] on others), forward only (`MegatronActor.logprobs`)."""
+
+    def collect(batch, logits):
+        logprobs, _ = MegatronActor.token_logprobs(batch, logits)
+        return torch.zeros((), device=logits.device), {"logprobs": logprobs}
+
+    forward = MegatronActor._forward_as_served if as_served else MegatronActor._forward
+    out = forward_only(model, micro, forward, collect, micro[0].tokens.shape[1], micro[0].size)
+    return [o["logprobs"] for o in out]
+
+
+def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, micro_batch_size: int, as_served: bool) -> torch.Tensor:
+    """log π [B, S] of every position of `batch` under `model`, in the old-logprob recompute's pass
+    structure (micro-batches of `micro_batch_size`, padded alike): real values on the last pipeline
+    stage, zeros elsewhere. The recompute (`MegatronActor.old_logprobs`) and the reference policy
+    (trainer/reference.py) both run it."""
+    per_micro = micro_batch_logprobs(model, micro_batches(batch, micro_batch_size), as_served)
+    return (torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs))[:batch.size]
 
 
 class MegatronActor:
@@ -110,7 +132,7 @@ class MegatronActor:
                               parallel_state.get_pipeline_model_parallel_world_size())
         model = build_model_from_hf(self.hf_config, params_dtype=getattr(torch, model_cfg.dtype),
                                     fp8_recipe=model_cfg.recipe(), fp8_backend=model_cfg.fp8_backend, fp8_gemm=fp8_gemm)
-        _load_weights_only(model, init_dir)
+        load_weights_only(model, init_dir)
         self.model = wrap_ddp(model, distributed_optimizer=train_cfg.distributed_optimizer)
         self.optimizer = build_optimizer(self.model, train_cfg)
         self.model_cfg, self.train_cfg, self.objective = model_cfg, train_cfg, objective
@@ -147,14 +169,7 @@ class MegatronActor:
         """Per micro-batch [B, S] logprobs on the last pipeline stage ([] on others), computed
         as the rollout engine computed them (`_forward_as_served`; as_served=False: one batched
         attention call, as the training forward)."""
-
-        def collect(batch, logits):
-            logprobs, _ = self.token_logprobs(batch, logits)
-            return torch.zeros((), device=logits.device), {"logprobs": logprobs}
-
-        forward = self._forward_as_served if as_served else self._forward
-        out = forward_only(self.model, micro, forward, collect, micro[0].tokens.shape[1], micro[0].size)
-        return [o["logprobs"] for o in out]
+        return micro_batch_logprobs(self.model, micro, as_served)
 
     def shadow_logprobs(self, micro: list[RolloutBatch]) -> list[torch.Tensor]:
         """`logprobs` of the high-precision shadow (Calibrated Clipping; models/shadow.py): the same
@@ -171,11 +186,9 @@ class MegatronActor:
         those bits are out of reach and the recompute runs as the training forward does (one
         batched attention call a layer instead of one a row, ~S times fewer calls); in float32 the
         first mini-batch's PPO ratio is then exactly 1."""
-        micro = micro_batches(batch, self.train_cfg.micro_batch_size)
         scales = self.publisher.served_scales()
         with nullcontext() if scales is None else self.frozen_fp8(scales):
-            per_micro = self.logprobs(micro, as_served=self.serving.aligned)
-        return (torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs))[:batch.size]
+            return batch_logprobs(self.model, batch, self.train_cfg.micro_batch_size, self.serving.aligned)
 
     def update(self, batch: RolloutBatch, old_logprobs: torch.Tensor | None, step: int) -> dict[str, float]:
         """RL step `step`'s policy update: one optimizer step per mini-batch on this rank's DP
@@ -289,6 +302,6 @@ def _mean_metrics(results: list[StepResult]) -> dict[str, float]:
     metrics = {}
     for name in names:
         values = [r.metrics[name] for r in results if name in r.metrics]
-        metrics[name if name.startswith("noise/") else f"train/{name}"] = sum(values) / len(values)
+        metrics[name if name.startswith(("noise/", "kl/")) else f"train/{name}"] = sum(values) / len(values)
     metrics["train/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
     return metrics

@@ -39,6 +39,8 @@ class RolloutBatch:
     algorithm.calibration.mode=gate; set on micro-batches just before they train), else None."""
     shadow_old_logprobs: torch.Tensor | None = None
     """[B, S] float: the shadow's log π_old (before the update), with `shadow_logprobs`."""
+    ref_logprobs: torch.Tensor | None = None
+    """[B, S] float: the reference policy's log π_ref (algorithm.kl, trainer/reference.py), else None."""
 
     @property
     def size(self) -> int:
@@ -98,7 +100,7 @@ def pad_rows(batch: RolloutBatch, multiple: int) -> RolloutBatch:
             continue
         filler = tensor[:1].expand(missing, *tensor.shape[1:]).clone()
         if name in ("response_mask", "rollout_logprobs", "advantages", "old_logprobs", "shadow_logprobs",
-                    "shadow_old_logprobs"):
+                    "shadow_old_logprobs", "ref_logprobs"):
             filler.zero_()
         padded[name] = torch.cat([tensor, filler])
     return RolloutBatch(**padded)

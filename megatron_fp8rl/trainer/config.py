@@ -19,6 +19,7 @@ from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
 from megatron_fp8rl.models.te_recipe import megatron_fp8_fields
 from megatron_fp8rl.rl.calibrated_clipping import CALIBRATION_RULES, ClipLimits
+from megatron_fp8rl.rl.kl import VERL_NAMES as KL_ESTIMATORS
 from megatron_fp8rl.rl.losses import AGGREGATION_MODES
 from megatron_fp8rl.rollout.sglang_common import SGLANG_DTYPES, SGLangSettings
 from megatron_fp8rl.trainer.checkpoint import CheckpointConfig
@@ -34,6 +35,7 @@ TRAINER_FP8 = ("none", *RECIPE_NAMES)
 CLIP_CALIBRATIONS = ("none", "shadow", "monitor", "gate")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
+REFERENCE_PRECISIONS = ("actor", "bfloat16", "float32")
 ROLLOUT_DTYPES = tuple(dtype for dtype in SGLANG_DTYPES if dtype != "auto")
 """SGLang's dtypes but auto: a run compares the served dtype with model.dtype."""
 
@@ -300,6 +302,51 @@ class NoiseConfig:
 
 
 @dataclass
+class KLConfig:
+    """KL to a reference policy (rl/kl.py; the reference model: trainer/reference.py). Off while
+    coef is 0: no reference model is built and nothing is computed."""
+
+    coef: float = 0.0
+    """β >= 0 (0: off). verl: actor.kl_loss_coef with actor.use_kl_loss, or algorithm.kl_ctrl.kl_coef
+    with algorithm.use_kl_in_reward (a fixed controller); slime: --kl-loss-coef."""
+    estimator: str = "k3"
+    """Per-token estimator (rl.kl.VERL_NAMES): k1, k2, k3, abs, or verl's names for them kl, mse,
+    low_var_kl (GRPO's k3, with verl's clamps), abs. verl: actor.kl_loss_type / algorithm.kl_penalty;
+    slime: --kl-loss-type."""
+    in_reward: bool = False
+    """false: loss += β·agg(k) with the policy loss's algorithm.agg_mode (verl actor.use_kl_loss,
+    slime --use-kl-loss); true: each sequence's reward −= β·Σ_t k_t before advantages, k of the
+    rollout's log-probs against the reference's (verl algorithm.use_kl_in_reward)."""
+    reference_path: str = ""
+    """HF checkpoint folder of the reference policy; empty: the run's initial checkpoint
+    (model.hf_path). Its architecture and vocabulary must be model.hf_path's."""
+    precision: str = "actor"
+    """The reference's arithmetic (REFERENCE_PRECISIONS): actor (model.dtype with the actor's FP8
+    recipe: FP8 end to end; its delayed-scaling state advances with its own passes, as the
+    recompute's does, so its log-probs carry FP8 noise), bfloat16 or float32 (no FP8: a fixed
+    function of its frozen weights). With model.fp8_backend=te, actor precision is refused (TE
+    leaves forward scales unchanged in no-grad passes)."""
+    offload: bool = False
+    """Keep the reference's weights in host memory between its passes (GPU tier; the copy's time
+    is logged as time/reference_offload_s). Refused on a process without CUDA."""
+
+    def __post_init__(self):
+        _check_number(self.coef, "algorithm.kl.coef", 0)
+        _check(self.estimator in KL_ESTIMATORS, "algorithm.kl.estimator",
+               f"{self.estimator!r} is not one of {tuple(KL_ESTIMATORS)}")
+        _check(self.precision in REFERENCE_PRECISIONS, "algorithm.kl.precision",
+               f"{self.precision!r} is not one of {REFERENCE_PRECISIONS}")
+        unused = [name for name in ("in_reward", "reference_path", "offload") if getattr(self, name)]
+        _check(self.coef > 0 or not unused, f"algorithm.kl.{unused[0] if unused else 'coef'}",
+               f"is set but algorithm.kl.coef is 0 (KL off): set coef > 0 or leave {unused} unset")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run builds a reference model and computes the KL term."""
+        return self.coef > 0
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages, policy loss and train/rollout mismatch correction."""
 
@@ -339,6 +386,8 @@ class AlgorithmConfig:
     thresholds (noise.correction)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     """Calibrated Clipping: mode, every, level, smoothing, limits."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """KL to a reference policy: coef (0: off), estimator, in_reward, reference_path, precision, offload."""
 
     def __post_init__(self):
         _check(self.name in ALGORITHMS, "algorithm.name", f"{self.name!r} is not one of {ALGORITHMS}")
@@ -513,5 +562,9 @@ class RunConfig:
         _check(not (self.fp8_plan.aligned and self.model.fp8_backend == "te"), "model.fp8_backend",
                "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
                "arithmetic; use model.fp8_backend=ours")
+        _check(not (self.algorithm.kl.enabled and self.algorithm.kl.precision == "actor" and self.model.fp8 != "none"
+                    and self.model.fp8_backend == "te"), "algorithm.kl.precision",
+               "actor with model.fp8_backend=te is not wired: TE does not update forward FP8 scales in no-grad "
+               "passes, and the reference runs only those; use bfloat16 or float32")
         _check(self.algorithm.agg_mode in AGGREGATION_MODES, "algorithm.agg_mode",
                f"{self.algorithm.agg_mode!r} is not one of {AGGREGATION_MODES}")

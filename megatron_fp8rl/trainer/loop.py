@@ -31,6 +31,7 @@ from megatron_fp8rl.trainer.checkpoint import load_checkpoint, newest_intact_che
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.fp8_observation import calibration_forward
 from megatron_fp8rl.trainer.objective import Objective
+from megatron_fp8rl.trainer.reference import build_reference
 from megatron_fp8rl.trainer.rl_step import Prompts, StepContext, rl_step, sync_weights, timed
 from megatron_fp8rl.trainer.rollout_fp8 import ROLLOUT_CHECKPOINT
 from megatron_fp8rl.trainer.run_dir import check_run_dir, claim_run_dir
@@ -280,6 +281,11 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
                               Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
                               rollout_fp8=cfg.rollout.fp8,
                               calibration_dir=run_dir / "calibration" if cfg.algorithm.calibration.record else None)
+    reference = None
+    if cfg.algorithm.kl.enabled:  # off: no reference model is built
+        with timed(timings, "setup_reference"):
+            reference = build_reference(cfg.algorithm.kl, run_dir, actor, cfg.model, cfg.train.micro_batch_size,
+                                        cfg.trainer_fp8_gemm)
     if cfg.fp8_plan.fp8:
         with timed(timings, "setup_rollout_checkpoint"):
             _write_rollout_start(cfg, actor, tokenizer, train_records)
@@ -288,7 +294,8 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
         if rank == 0:
             engine = _start_server(cfg) if cfg.rollout.mode == "disaggregated" else _start_engine(cfg)
     return StepContext(cfg=cfg, actor=actor, engine=engine, reward_fn=load_reward_fn(cfg.data.reward),
-                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), setup_timings=timings)
+                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), setup_timings=timings,
+                       reference=reference)
 
 
 BAR_PHASES = ("rollout", "recompute", "train", "sync")

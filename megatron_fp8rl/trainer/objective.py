@@ -12,6 +12,11 @@ Where the noise floor Δ = log π_old − log π_rollout comes from (logged as n
   at hand) reuse the first mini-batch's estimate averaged over its micro-batches and DP ranks.
   A periodic recompute would cost the forward bypass exists to save, and a stale floor.
 
+The KL penalty toward the reference policy (algorithm.kl, in the loss) is part of the policy
+loss (rl.losses.policy_loss) on the reference log-probs each micro-batch carries; its kl/mean and
+kl/max are averaged over micro-batches, DP ranks and mini-batches as every train metric is (kl/max:
+the mean of each micro-batch's largest per-token value).
+
 Owns: `Objective` (built once per run from AlgorithmConfig; trainer.actor.MegatronActor.update
 calls its `loss` per micro-batch with the mini-batch's `MiniBatchTerms`), `effective_thresholds`.
 Must not import: cli, trainer.loop, trainer.rl_step, trainer.actor.
@@ -25,6 +30,7 @@ import torch
 from megatron_fp8rl.rl.calibrated_clipping import ClipBounds
 from megatron_fp8rl.rl.common import masked_mean
 from megatron_fp8rl.rl.correction import masked_importance_weights, truncated_importance_weights
+from megatron_fp8rl.rl.kl import VERL_NAMES as KL_ESTIMATORS
 from megatron_fp8rl.rl.losses import policy_loss, token_ratio
 from megatron_fp8rl.rl.metrics import mismatch_metrics
 from megatron_fp8rl.rl.noise import (
@@ -182,7 +188,8 @@ class Objective:
                           clip_low=limits.clip_low, clip_high=limits.clip_high, agg_mode=algo.agg_mode,
                           max_response_length=self.max_response_length, denominator=terms.denominator,
                           correction_weights=weights, entropy=entropy, entropy_coef=algo.entropy_coef,
-                          dual_clip=algo.clip.dual or None, decision_ratio=decision)
+                          dual_clip=algo.clip.dual or None, decision_ratio=decision,
+                          **self._kl_loss_terms(mb))
         if terms.at_old_policy:
             metrics.update(_train_forward_noise(logprobs, old, mask))
         if trainer_old is not None:
@@ -190,6 +197,15 @@ class Objective:
                                             clip_low=limits.clip_low, clip_high=limits.clip_high,
                                             ratio_level=ratio_level))
         return out.loss, {**out.metrics, **metrics}
+
+
+    def _kl_loss_terms(self, mb: RolloutBatch) -> dict:
+        """policy_loss's KL arguments: the KL in the loss (algorithm.kl.coef, not in_reward) toward
+        the reference's log-probs the micro-batch carries (trainer/reference.py); none otherwise."""
+        kl = self.algo.kl
+        if not kl.enabled or kl.in_reward:
+            return {}
+        return {"ref_logprobs": mb.ref_logprobs, "kl_coef": kl.coef, "kl_estimator": KL_ESTIMATORS[kl.estimator]}
 
 
 def _train_forward_noise(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor):

@@ -1,4 +1,5 @@
-"""One RL step: rollout -> reward -> advantages -> old-logprob recompute -> policy update -> sync.
+"""One RL step: rollout -> reward -> advantages -> old-logprob recompute -> reference log-probs
+(algorithm.kl only) -> policy update -> sync.
 
 Owns: `rl_step` (the data flow of docs/design.md on one screen) and the helpers it calls in order:
 rollouts (with per-step sampling seeds, `rollout_seed`) and rewards run on global rank 0 (the
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -26,6 +27,7 @@ from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.batch import RolloutBatch, build_batch
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.fp8_observation import fp8_metrics
+from megatron_fp8rl.trainer.reference import ReferencePolicy, reward_kl_penalty
 
 Prompts = Iterator[tuple[list[list[int]], list[str]]]
 """Batches of (prompt token ids, reference answers), one batch per `next`."""
@@ -46,6 +48,8 @@ class StepContext:
     """Seconds of the current step's phases (time/<phase>_s)."""
     setup_timings: dict[str, float] = field(default_factory=dict)
     """Seconds of the run's set-up phases (time/setup_<phase>_s), logged at the start step."""
+    reference: ReferencePolicy | None = None
+    """The KL penalty's reference policy (algorithm.kl.coef > 0); None when KL is off."""
 
 
 @contextmanager
@@ -71,8 +75,9 @@ def rl_step(ctx: StepContext, prompts: Prompts, step: int) -> dict[str, float]:
         batch = _make_batch(ctx.cfg, samples, rewards)
     with timed(ctx.timings, "recompute"):
         old_logprobs = ctx.actor.old_logprobs(batch) if _recompute_needed(ctx.cfg) else None
+    batch, kl_metrics = _with_reference(ctx, batch, samples, rewards)
     with timed(ctx.timings, "train"):
-        train_metrics = {**ctx.actor.update(batch, old_logprobs, step), **fp8_metrics(ctx.actor.model)}
+        train_metrics = {**ctx.actor.update(batch, old_logprobs, step), **fp8_metrics(ctx.actor.model), **kl_metrics}
     with timed(ctx.timings, "sync"):
         sync_weights(ctx, version=step)
     tokens = float(batch.response_mask.sum())
@@ -180,6 +185,21 @@ def _make_batch(cfg: RunConfig, samples: list[RolloutSample], rewards: torch.Ten
         advantages = grpo_advantages(rewards, scale_by_std=algo.advantage == "grpo")
     length = max(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
     return build_batch(samples, advantages.flatten(), length)
+
+
+def _with_reference(ctx: StepContext, batch: RolloutBatch, samples, rewards: torch.Tensor):
+    """The batch carrying the reference's log-probs (timed as time/reference_s), and with
+    algorithm.kl.in_reward its advantages recomputed from the rewards less the KL penalty
+    (metrics kl/mean, kl/max; in the loss the objective logs them). Unchanged when KL is off."""
+    if ctx.reference is None:
+        return batch, {}
+    with timed(ctx.timings, "reference"):
+        batch = replace(batch, ref_logprobs=ctx.reference.logprobs(batch, ctx.timings))
+    if not ctx.cfg.algorithm.kl.in_reward:
+        return batch, {}
+    penalty, metrics = reward_kl_penalty(ctx.cfg.algorithm.kl, batch)
+    penalized = _make_batch(ctx.cfg, samples, rewards - penalty.view_as(rewards))
+    return replace(batch, advantages=penalized.advantages), metrics
 
 
 def _recompute_needed(cfg: RunConfig) -> bool:
