@@ -71,8 +71,8 @@ def regime_section(regime: Regime, equivalence: Equivalence, study_dir: Path) ->
 def write_regime_equivalence(regime: Regime, study_dir: Path) -> Path:
     """The pre-registered regime's table, beside its study directory (EQUIVALENCE_FILE), printed."""
     section = regime_section(regime, regime.equivalence, study_dir)
-    out = write_equivalence(study_dir.parent / EQUIVALENCE_FILE, f"Equivalence to the reference: {regime.name}",
-                            [section])
+    out = write_equivalence(study_dir.parent / EQUIVALENCE_FILE,
+                            f"Equivalence study, regime {regime.name}: each arm against its reference", [section])
     print("\n".join(section[2]))
     print(f"[stability] equivalence: {out}")
     return out

@@ -42,14 +42,16 @@ def test_finished_runs_give_the_verdict_and_their_own_cost(tmp_path):
     reference, noise = [300, 320, 280, 310, 290, 305], [8, -8, 5, -5, 9, -9]
     for seed, (count, error) in enumerate(zip(reference, noise), 1):
         for name, correct in (("float32", count), ("groupwise32_gate", count + error), ("groupwise32", count - 40 + error)):
+            ran = ["train.mini_batches=2"] if name == "groupwise32_gate" else []  # not the study's 4: its cost shows
             write_finished_run(study_dir / name / f"seed{seed}", correct_first(correct, 500),
-                               [f"{k}={v}" for k, v in REGIME.sizes.items()] + list(arms[name].overrides), REGIME.common)
+                               [f"{k}={v}" for k, v in REGIME.sizes.items()] + list(arms[name].overrides) + ran,
+                               REGIME.common)
     heading, text, table = regime_section(REGIME, REGIME.equivalence, study_dir)
     rows = {row.split(" | ")[0].lstrip("| "): row for row in table[2:]}
     assert "| 6 | -8.0 [" in rows["groupwise32"] and "| worse |" in rows["groupwise32"]
     assert "| 6 | +0.0 [" in rows["groupwise32_gate"] and "| equivalent |" in rows["groupwise32_gate"]
     assert "| 0 | no runs yet |" in rows["groupwise32_wide_low"]
-    assert "+1.75 fwd" in rows["groupwise32_gate"]  # read from the runs' config.yaml
+    assert "+1.50 fwd" in rows["groupwise32_gate"]  # (2M - 1)/M at the M = 2 its config.yaml says it ran
 
 
 def test_study_v3_is_reanalysed_against_float32_without_its_probes():
@@ -68,3 +70,15 @@ def test_a_study_table_without_a_key_the_cost_reads_is_refused_by_name(missing):
         arm = dataclasses.replace(arm, overrides=tuple(o for o in arm.overrides if not o.startswith("model.dtype")))
     with pytest.raises(ValueError, match=rf"run config lacks \['{missing}'\]"):
         arm_cost(regime, arm, {})
+
+
+def test_a_run_saved_before_the_calibration_keys_were_renamed_is_costed_from_its_old_keys(tmp_path):
+    """Study v2's runs (results/stability) saved algorithm.clip_calibration and friends (config/renamed.py)."""
+    run = tmp_path / "seed1"
+    run.mkdir()
+    (run / "config.yaml").write_text(
+        "model: {fp8: tensorwise, dtype: float32}\ntrain: {mini_batches: 2}\n"
+        "algorithm: {old_policy: decoupled, clip_calibration: shadow, clip_calibration_every: 1, noise_correction: false}\n")
+    arm = next(arm for arm in REGIMES["harsh"].arms if arm.name == "tensorwise_cc")
+    cost = arm_cost(REGIMES["harsh"], arm, {"1": run})
+    assert (cost.passes.shadow, cost.passes.recompute, cost.gemm) == (1.0, 1.0, "fp8")
