@@ -28,6 +28,7 @@ COMMON = [
     "math-verify>=0.8",  # reward: answer equivalence
     "pyarrow>=15",  # Parquet prompt datasets
     "matplotlib>=3.8",  # `megatron-fp8rl report` / `stability` plots (both tiers)
+    "mpmath>=1.3",  # Student's t for the equivalence analysis (report/equivalence.py); torch's sympy brings it
 ]
 
 setup(

@@ -1,6 +1,7 @@
-"""What the FP8 stability study runs (v2: issue 23; v3: issue 44): its regimes, each one RL job, and
-their arms (precision settings, each with its seed count), the run sizes (full and --quick), and the
-report's preamble made from them. Pure data and small functions: the runner is study/runner.py.
+"""What the FP8 stability study runs (v2: issue 23; v3: issue 44; the equivalence study: issue 61): its
+regimes, each one RL job, and their arms (precision settings, each with its seed count), the run sizes
+(full and --quick), the report's preamble made from them, and each study's equivalence analysis
+(`Equivalence`: margin and primary comparisons, fixed before its runs; `post_hoc_equivalence` for v3's). Pure data and small functions: the runner is study/runner.py.
 Must not import trainer code.
 
 Regimes (issue 44): `harsh` is v2's job (2 prompts x 8 samples, lr 3e-5, results/stability, its
@@ -198,6 +199,23 @@ MODERATE = {"train.steps": 12, "data.prompts_per_step": 8, "rollout.n_samples": 
 
 
 @dataclass(frozen=True)
+class Equivalence:
+    """A study's equivalence analysis (report/equivalence.py): what counts as equivalent and which
+    comparisons are primary, written down before the runs it judges (or marked as a re-analysis)."""
+
+    margin: float
+    """The equivalence margin ±Δ on the difference in final held-out accuracy (0.05: 5 points)."""
+    comparisons: tuple[tuple[str, str], ...]
+    """The primary comparisons, (reference arm, arm), in report order: Holm's family."""
+    same_problems: bool
+    """Whether every seed is scored on the same held-out problems (a fixed eval set)."""
+    preregistered: bool
+    """True: fixed before any run; False: a re-analysis of finished runs (post hoc)."""
+    alpha: float = 0.05
+    """Significance level of every verdict, after Holm."""
+
+
+@dataclass(frozen=True)
 class Regime:
     """A study's job: its shared overrides and run sizes, where its runs go, and its arms."""
 
@@ -207,6 +225,10 @@ class Regime:
     study_dir: str
     arms: tuple[Setting, ...]
     about: str
+    seeds: tuple[int, ...] = SEEDS
+    """The train.seed values its arms run under (each arm the first `arm.seeds`) unless --seeds says."""
+    equivalence: Equivalence | None = None
+    """Its pre-registered equivalence analysis; None for the studies before issue 61."""
 
 
 REGIMES = {
@@ -220,6 +242,65 @@ REGIMES = {
                               "20 tokens, lr 1e-5, clip 0.2/0.2, 12 steps, 100 held-out problems (eval every 4).")
        for m in (2, 4)},
 }
+
+
+V3_REGIMES = ("harsh", "moderate2", "moderate4")
+"""Study v3's regimes (results/stability_v3/verdict.md is across them)."""
+EQUIVALENCE_MARGIN = 0.05
+"""Issue 61's margin: ±5 points of final held-out greedy accuracy."""
+WIDE_LOW = 0.4
+"""The zero-cost control's lower clip ε_low (bound 1 − 0.4 = 0.6), set so that plain groupwise32 clips
+A<0 tokens at the gate's rate in study v3's moderate4 runs (seeds 1-3). The gate's logged clip rate,
+train/clip_frac_low (the share of response tokens with A < 0 and a decision ratio < 1 − ε_low, mean over
+steps): 0.66%, 0.86%, 0.78% (median 0.78%); plain groupwise32's: 1.45%, 3.07%, 2.94% (median 2.94%), so the
+gate clips 0.265x as often. On plain groupwise32's recorded calibration values (its monitor's m*
+mini-batch every step, calibration/step_*.safetensors, 8359 tokens over the three seeds) the FP8 ratio
+clips 3.03% of tokens at ε_low = 0.2 and 0.80% at 0.40 (0.264x; 0.91% at 0.38, 0.75% at 0.42); the gate
+runs' own FP8 ratios give the same, 2.85% -> 0.73% at 0.40. Matching the shadow's clip share on m* instead
+(0.34% of the gate runs' tokens) would take ε_low ~ 0.5: the run-level rate is the one the control matches."""
+EQUIVALENCE_COMMON = {**MODERATE_COMMON, "algorithm.calibration.mode": "none", "algorithm.calibration.every": "1",
+                      "algorithm.old_policy": "decoupled", "algorithm.noise.correction": "false",
+                      "model.dtype": "float32", "model.fp8": "none"}
+"""Issue 44's moderate job, with every setting the step cost reads (rl/step_cost.py STEP_SHAPE_KEYS)
+written out, so each arm's extra compute follows from the study's own table."""
+EQUIVALENCE_SIZES = {**MODERATE, "train.mini_batches": 4, "data.eval_size": 500, "train.eval_every": 12}
+"""moderate4 (4 mini-batches, where plain FP8 lost most to float32 in study v3), with issue 61's held-out
+set: 500 problems, evaluated at the start and the end of a run."""
+EQUIVALENCE_ARMS = (
+    replace(FLOAT32_ARM, seeds=6),
+    Setting("groupwise32", (*DEFAULT, *MONITOR), seeds=6,
+            about="the default: 1x32 groups, aligned rollouts (its over-clipping measured, bounds unchanged)"),
+    Setting("groupwise32_gate", (*DEFAULT, *GATED), seeds=6, about="the clip decided on the shadow's ratio"),
+    Setting("groupwise32_wide_low", (*DEFAULT, *MONITOR, f"algorithm.clip.low={WIDE_LOW}"), seeds=6,
+            about=f"the lower clip widened to 1 − {WIDE_LOW}, the gate's clip rate: the zero-cost control"),
+    Setting("bf16_tis", (*BF16, "model.fp8=none", "rollout.fp8=none", "algorithm.correction=tis"), seeds=3,
+            about="the GPU-realistic reference: Megatron bf16 mixed precision, bf16 SGLang, TIS"),
+    Setting("groupwise32_bf16_tis", (*BF16, *DEFAULT, "algorithm.correction=tis"), seeds=3,
+            about="the default FP8 recipe on the bf16 trainer, aligned rollouts served in bf16, TIS"),
+)
+"""Issue 61 item 5's arms (the remedy arm is added by the issue's remedy work, not held here). The two
+bf16-trainer arms run no shadow: they are the GPU configuration as a user would run it."""
+EQUIVALENCE = Equivalence(
+    EQUIVALENCE_MARGIN,
+    (("float32", "groupwise32"), ("float32", "groupwise32_gate"), ("float32", "groupwise32_wide_low"),
+     ("bf16_tis", "groupwise32_bf16_tis")),
+    same_problems=True, preregistered=True)
+"""Written before any of its runs: every FP8 arm against float32 (the reference that isolates FP8),
+the GPU-realistic pair against each other; one Holm family."""
+REGIMES["equivalence"] = Regime(
+    "equivalence", EQUIVALENCE_COMMON, EQUIVALENCE_SIZES, "results/equivalence/moderate4", EQUIVALENCE_ARMS,
+    "Issue 61's equivalence study: moderate4's job (8 prompts x 8 samples at temperature 1.0, 20 tokens, lr "
+    "1e-5, clip 0.2/0.2, 4 mini-batches, 12 steps), 500 held-out problems the same for every seed, scored at "
+    "the start and the end.", seeds=(1, 2, 3, 4, 5, 6), equivalence=EQUIVALENCE)
+
+
+def post_hoc_equivalence(regime: Regime) -> Equivalence:
+    """Study v3's regimes re-analysed (not pre-registered): every arm that keeps the job (no probe)
+    against float32, at issue 61's margin; their seeds were scored on different problems."""
+    probes = FROZEN_NORMS + LOW_LR
+    comparisons = tuple((HIGH_PRECISION, arm.name) for arm in regime.arms
+                        if arm.name != HIGH_PRECISION and not any(o in arm.overrides for o in probes))
+    return Equivalence(EQUIVALENCE_MARGIN, comparisons, same_problems=False, preregistered=False)
 
 
 def study_settings(regime: str = "harsh") -> list[Setting]:

@@ -20,7 +20,7 @@ import psutil
 
 from megatron_fp8rl.config.renamed import OLD_KEYS
 from megatron_fp8rl.study.arms import (
-    COMMON, FROZEN_NORMS, HIGH_PRECISION, LOW_LR, QUICK, RECIPES, REFERENCE, REGIMES, SEEDS, Regime, Setting,
+    COMMON, FROZEN_NORMS, HIGH_PRECISION, LOW_LR, QUICK, RECIPES, REFERENCE, REGIMES, SEEDS, V3_REGIMES, Regime, Setting,
     parse_added_setting, preamble,
     runs_of, select_settings, study_settings,
 )
@@ -150,11 +150,19 @@ def run_dir_of(study_dir: Path, setting: Setting, seed: int) -> Path:
 
 def run_study(args: argparse.Namespace) -> int:
     """Train every selected arm x seed not finished yet (summary.json present), within --hours,
-    then the report of every finished run (--report-only: the report alone)."""
+    then the report of every finished run (--report-only: the report alone). --verdict and
+    --equivalence train nothing and write what they name instead (`megatron-fp8rl stability` calls
+    this with every flag)."""
+    if args.equivalence:
+        from megatron_fp8rl.study.equivalence import run_equivalence  # it imports this module
+
+        return run_equivalence()
+    if args.verdict:
+        return run_verdict()
     regime = REGIMES[args.regime]
     try:
         settings = select_settings(args.settings, args.add, regime.name)
-        seeds = tuple(int(s) for s in args.seeds.split(",") if s)
+        seeds = regime.seeds if args.seeds is None else tuple(int(s) for s in args.seeds.split(",") if s)
         model = None if args.report_only else _model_path(Path(args.model))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -173,7 +181,11 @@ def run_study(args: argparse.Namespace) -> int:
     # the report covers every finished run of the regime (its arms, --add ones, every seed), not only
     # what this invocation selected: `--settings x` must not shrink the committed report to x
     reported = list({s.name: s for s in [*study_settings(regime.name), *args.add, *settings]}.values())
-    _report(reported, tuple(sorted({*SEEDS, *seeds})), study_dir, timings, regime)
+    _report(reported, tuple(sorted({*regime.seeds, *seeds})), study_dir, timings, regime)
+    if regime.equivalence is not None:
+        from megatron_fp8rl.study.equivalence import write_regime_equivalence  # it imports this module
+
+        write_regime_equivalence(regime, study_dir)
     if failed:
         print(f"[stability] failed runs: {failed} (logs: <study_dir>/<arm>/seed<k>/train.log)", file=sys.stderr)
     return 1 if failed else 0
@@ -192,11 +204,12 @@ def run_verdict() -> int:
     from megatron_fp8rl.report.study_verdict import arm_kind, write_verdict
 
     figures, kinds = {}, {}
-    for name, regime in REGIMES.items():
+    for name in V3_REGIMES:
+        regime = REGIMES[name]
         study_dir = REPO / regime.study_dir
         figures[name] = _report(list(regime.arms), SEEDS, study_dir, _timings(study_dir), regime)
         kinds.update({arm.name: arm_kind(arm.overrides, FROZEN_NORMS + LOW_LR) for arm in regime.arms})
-    about = " ".join(f"{name}: {regime.about}" for name, regime in REGIMES.items())
+    about = " ".join(f"{name}: {REGIMES[name].about}" for name in V3_REGIMES)
     preamble = (f"From the committed runs of each regime ({about}) by `megatron-fp8rl stability --verdict` "
                 "(bench/stability.py), which also rewrites each regime's report. Final held-out greedy accuracy, "
                 "median [min, max] over seeds; paired McNemar on the same problems, pooled over the seeds both arms "
@@ -310,7 +323,8 @@ def _model_path(model: Path) -> Path:
 
 def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regime", choices=sorted(REGIMES), default="harsh",
-                        help="the job: harsh (study v2's), moderate2 / moderate4 (issue 44's, 2 or 4 mini-batches)")
+                        help="the job: harsh (study v2's), moderate2 / moderate4 (issue 44's, 2 or 4 mini-batches), "
+                             "equivalence (issue 61's: moderate4, 500 fixed held-out problems, 6 seeds)")
     parser.add_argument("--study-dir", default=None,
                         help="<arm>/seed<k>/ run directories, timings.json, report/ (default: the regime's, "
                              + ", ".join(f"{r.name}: {r.study_dir}" for r in REGIMES.values()) + ")")
@@ -319,8 +333,9 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settings", default=None,
                         help="comma list of arm names (default: the regime's arms and --add ones); "
                              "names: " + ", ".join(s.name for s in study_settings()))
-    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
-                        help="comma list of train.seed values: each arm runs the first 1-3 of them")
+    parser.add_argument("--seeds", default=None,
+                        help="comma list of train.seed values: each arm runs the first 1-6 of them (default: the "
+                             f"regime's, {','.join(map(str, SEEDS))} but equivalence's 1-6)")
     parser.add_argument("--add", type=parse_added_setting, action="append", default=[],
                         help="extra setting NAME:key=value[,key=value...] (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -340,11 +355,14 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: the report of the runs finished so far, naming the missing ones")
     parser.add_argument("--verdict", action="store_true",
-                        help=f"train nothing: every regime's report and the verdict across them ({VERDICT})")
+                        help=f"train nothing: every v3 regime's report and the verdict across them ({VERDICT})")
+    parser.add_argument("--equivalence", action="store_true",
+                        help="train nothing: the equivalence tables of the committed runs (issue 61's study, "
+                             "results/equivalence/equivalence.md; study v3 re-analysed, results/stability_v3/equivalence.md)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_study_arguments(parser)
     args = parser.parse_args(argv)
-    return run_verdict() if args.verdict else run_study(args)
+    return run_study(args)

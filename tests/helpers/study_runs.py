@@ -4,7 +4,7 @@ import json
 
 from torch.utils.tensorboard import SummaryWriter
 
-from megatron_fp8rl.config.loader import load_config
+from megatron_fp8rl.config.loader import load_config, save_config
 from megatron_fp8rl.study.arms import COMMON
 from megatron_fp8rl.trainer.config import RunConfig
 
@@ -33,3 +33,18 @@ def run_scalars(overclip=None, entropy_end=1.0, no_number=0.0, steps=8, reward=N
 def arm_config(overrides, common=COMMON):
     """The RunConfig a study arm trains with: the regime's shared overrides, then the arm's."""
     return load_config(RunConfig, None, [f"{k}={v}" for k, v in common.items()] + list(overrides))
+
+
+def correct_first(count: int, problems: int) -> list[int]:
+    """Per-problem results right on the first `count` of `problems`."""
+    return [int(i < count) for i in range(problems)]
+
+
+def write_finished_run(path, final: list[int], config_overrides=None, common=COMMON):
+    """A finished study run whose last eval scored `final` (per problem): a few scalars, eval_correct.json,
+    summary.json and, given the arm's overrides, the config.yaml `train` writes for them."""
+    write_run(path, run_scalars(steps=6), {0: [0] * len(final), 12: final})
+    (path / "summary.json").write_text("{}")
+    if config_overrides is not None:
+        save_config(arm_config(["model.hf_path=m", *config_overrides], common), path / "config.yaml")
+    return path

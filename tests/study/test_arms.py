@@ -7,7 +7,8 @@ import re
 import pytest
 
 from megatron_fp8rl.study.arms import (
-    FULL, QUICK, REGIMES, SEEDS, Setting, parse_added_setting, preamble, runs_of, select_settings, study_settings,
+    FULL, QUICK, REGIMES, SEEDS, V3_REGIMES, Setting, parse_added_setting, preamble, runs_of, select_settings,
+    study_settings,
 )
 from tests.helpers.study_runs import arm_config
 
@@ -89,7 +90,7 @@ def test_each_arm_runs_its_first_seeds_first_seeds_first():
     arms = [Setting("a", (), seeds=3), Setting("b", (), seeds=1), Setting("c", ())]
     assert [(s.name, seed) for s, seed in runs_of(arms, (1, 2, 3))] == [
         ("a", 1), ("b", 1), ("c", 1), ("a", 2), ("c", 2), ("a", 3)]
-    for regime in REGIMES:  # issue 44: three seeds for bf16, the default and its CC arm, two for the others
+    for regime in V3_REGIMES:  # issue 44: three seeds for bf16, the default and its CC arm, two for the others
         seeds = {s.name: s.seeds for s in study_settings(regime)}
         assert seeds["bf16"] == seeds["groupwise32"] == seeds["groupwise32_cc"] == seeds["groupwise32_gate"] == 3
         assert all(seeds[f"{name}{cc}"] == 2 for name in ("tensorwise", "blockwise") for cc in ("", "_cc"))
@@ -142,5 +143,38 @@ def test_the_report_preamble_names_every_arm_under_the_seeds_it_runs():
             group = groups["1" if arm.seeds == 1 else f"1-{arm.seeds}"]
             assert re.search(rf"(^|; |, | and ){arm.name}( |,|$|\))", group), (name, arm.name)
             assert arm.about and arm.about in text
-        assert ("groupwise32_cc_noise" in text) == (name != "harsh")
+        assert ("groupwise32_cc_noise" in text) == (name in V3_REGIMES and name != "harsh")
         assert f"--regime {name}`" in text
+
+
+def test_the_equivalence_study_is_written_down_before_its_runs():
+    """Issue 61 item 5: moderate4, 500 held-out problems scored at the start and the end, 6 seeds for
+    float32 and the groupwise32 arms, 3 for the GPU-realistic pair; the margin and the primary
+    comparisons in the table; no remedy placeholder."""
+    regime = REGIMES["equivalence"]
+    seeds = {arm.name: arm.seeds for arm in regime.arms}
+    assert seeds == {"float32": 6, "groupwise32": 6, "groupwise32_gate": 6, "groupwise32_wide_low": 6,
+                     "bf16_tis": 3, "groupwise32_bf16_tis": 3}
+    assert regime.seeds == (1, 2, 3, 4, 5, 6) and regime.study_dir == "results/equivalence/moderate4"
+    study = regime.equivalence
+    assert (study.margin, study.alpha, study.same_problems, study.preregistered) == (0.05, 0.05, True, True)
+    assert study.comparisons == (("float32", "groupwise32"), ("float32", "groupwise32_gate"),
+                                 ("float32", "groupwise32_wide_low"), ("bf16_tis", "groupwise32_bf16_tis"))
+    by_name = {arm.name: arm_config([f"{k}={v}" for k, v in regime.sizes.items()] + ["model.hf_path=m", *arm.overrides],
+                                    regime.common) for arm in regime.arms}
+    plain = by_name["groupwise32"]
+    assert (plain.train.mini_batches, plain.data.eval_size, plain.train.steps, plain.train.eval_every) == (4, 500, 12, 12)
+    assert (plain.model.fp8, plain.rollout.fp8, plain.algorithm.calibration.mode) == ("groupwise32", "aligned", "monitor")
+    wide = by_name["groupwise32_wide_low"]  # plain groupwise32 with the lower clip widened, nothing else changed
+    assert (wide.algorithm.clip.low, wide.algorithm.clip.high) == (0.4, 0.2)
+    wide.algorithm.clip.low = 0.2
+    assert wide == plain
+    assert by_name["groupwise32_gate"].algorithm.calibration.mode == "gate"
+    assert (by_name["float32"].model.fp8, by_name["float32"].model.dtype) == ("none", "float32")
+    reference, fp8 = by_name["bf16_tis"], by_name["groupwise32_bf16_tis"]  # the pair differs only in FP8
+    assert (reference.model.dtype, reference.algorithm.correction, reference.algorithm.calibration.mode) == (
+        "bfloat16", "tis", "none")
+    assert (fp8.model.fp8, fp8.rollout.fp8) == ("groupwise32", "aligned")
+    fp8.model.fp8, fp8.rollout.fp8 = "none", "none"
+    assert fp8 == reference
+    assert "equivalence" not in V3_REGIMES
