@@ -408,8 +408,15 @@ class DataConfig:
     """Operations of the built-in task."""
     train_size: int = 2000
     """Problems drawn from the built-in train split."""
-    eval_size: int = 200
-    """Held-out problems evaluated."""
+    eval_size: int = 500
+    """Held-out problems evaluated at the start and the end of a run (builtin:arithmetic: drawn
+    from its eval split with eval_seed; a file: its first eval_size rows)."""
+    eval_seed: int = 0
+    """Seed of the built-in held-out draw: fixed, not train.seed, so every seed and arm of a study
+    is scored on the same problems."""
+    eval_interim_size: int = 0
+    """Held-out problems evaluated by the evals between the first and the last (the first N of the
+    held-out list, the same N each time); 0: all eval_size."""
     reward: str = "last_number"
     """Reward: a built-in (math_verify, last_number) or 'package.module:function'."""
     reward_timeout_s: float = 10.0
@@ -421,6 +428,8 @@ class DataConfig:
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
         _check(self.train_size >= 1, "data.train_size", f"must be >= 1, got {self.train_size}")
         _check(self.eval_size >= 1, "data.eval_size", f"must be >= 1, got {self.eval_size}")
+        _check(0 <= self.eval_interim_size <= self.eval_size, "data.eval_interim_size",
+               f"must be in [0, data.eval_size={self.eval_size}] (0: all), got {self.eval_interim_size}")
         unknown = sorted(set(self.arithmetic_ops) - set(OPERATIONS))
         _check(bool(self.arithmetic_ops) and not unknown, "data.arithmetic_ops",
                f"unknown {unknown or 'empty list'}; choose from {sorted(OPERATIONS)}")
@@ -445,7 +454,8 @@ class TrainConfig(OptimConfig):
     seed: int = 1234
     """Seed for model init, data order and sampling."""
     eval_every: int = 5
-    """Greedy eval every N steps (and before the first and after the last); 0: never."""
+    """Greedy eval every N steps (and before the first and after the last: all data.eval_size
+    problems; in between data.eval_interim_size); 0: never."""
     resume_changed_config: bool = False
     """Continue a run_dir made with a different config (same model); refused otherwise."""
 
