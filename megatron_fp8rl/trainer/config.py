@@ -339,6 +339,11 @@ class AlgorithmConfig:
     thresholds (noise.correction)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     """Calibrated Clipping: mode, every, level, smoothing, limits."""
+    recompute_check_every: int = 10
+    """Where the rollout is bit-identical to the trainer (rollout.fp8=aligned, model.dtype=float32),
+    the recompute of log π_old runs every N steps (steps 1, N+1, ...) as a check that it equals the
+    rollout's logprobs (a difference stops the run); other steps take the rollout's logprobs as
+    π_old. 1: recompute and check every step. Other runs recompute every step that needs it."""
 
     def __post_init__(self):
         _check(self.name in ALGORITHMS, "algorithm.name", f"{self.name!r} is not one of {ALGORITHMS}")
@@ -346,6 +351,8 @@ class AlgorithmConfig:
         _check(self.correction in CORRECTIONS, "algorithm.correction", f"{self.correction!r} is not one of {CORRECTIONS}")
         _check(self.tis_cap > 0, "algorithm.tis_cap", "must be > 0")
         _check(0 <= self.mis_low < self.mis_high, "algorithm.mis_low", "need 0 <= mis_low < mis_high")
+        _check(self.recompute_check_every >= 1, "algorithm.recompute_check_every",
+               f"must be >= 1 (1: every step), got {self.recompute_check_every}")
         self._check_noise_options()
         self._check_clip_calibration()
 
@@ -499,6 +506,12 @@ class RunConfig:
         """The GEMM of the trainer's FP8 linears: batch_invariant for aligned rollouts (the Triton
         kernel the SGLang fp8rl method also runs on GPU, 'tiled' on CPU), else auto."""
         return self.fp8_plan.trainer_gemm
+
+    @property
+    def rollout_bit_identical(self) -> bool:
+        """Whether the rollout's logprobs are the trainer's recompute bit for bit: aligned FP8
+        rollouts on a float32 trainer (bf16 rounds apart in SGLang's and Megatron's kernels)."""
+        return self.fp8_plan.aligned and self.model.dtype == "float32"
 
     @property
     def fp8_plan(self) -> Fp8ServingPlan:

@@ -45,6 +45,7 @@ def test_unknown_key_suggests_closest(capsys):
     ("data.eval_size=0", r"data.eval_size: must be >= 1, got 0"),
     ("data.eval_interim_size=600", r"data.eval_interim_size: must be in \[0, data.eval_size=500\] \(0: all\), got 600"),
     ("data.eval_interim_size=-1", r"data.eval_interim_size: must be in \[0, data.eval_size=500\]"),
+    ("algorithm.recompute_check_every=0", r"algorithm.recompute_check_every: must be >= 1 \(1: every step\), got 0"),
     ("data.train_size=0", r"data.train_size: must be >= 1"),
     ("data.arithmetic_ops=[add,pow]", r"data.arithmetic_ops: unknown \['pow'\]"),
     ("algorithm.agg_mode=sum", r"algorithm.agg_mode: 'sum' is not one of"),
