@@ -5,7 +5,7 @@ prompts (the same seeded sampler over the built-in arithmetic task), group size,
 learning rate and micro-batch size, in float32, one optimizer step per RL step, and take turns
 step by step so that both see the same machine load:
 - project: `trainer.rl_step.rl_step` on the context `megatron-fp8rl train` builds
-  (`trainer.loop.start_run`: Megatron-Core actor, colocated SGLang engine), plain GRPO
+  (`trainer.start.start_run`: Megatron-Core actor, colocated SGLang engine), plain GRPO
   (`algorithm.name=grpo`, no dynamic sampling, one mini-batch); phases as it times them.
 - plain: written here, as a minimal GRPO loop would be: `generate` (left-padded, sampled), the
   reward function called in-process, group advantages, one policy-gradient step (AdamW, token-mean
@@ -163,12 +163,12 @@ def _run_row(name: str, args, model: Path, work: Path) -> tuple[list[dict], list
 
     from megatron_fp8rl.data.records import prompt_token_ids
     from megatron_fp8rl.data.sampler import PromptSampler
-    from megatron_fp8rl.trainer.loop import check_inputs, load_records, start_run
+    from megatron_fp8rl.trainer.start import check_inputs, start_run, training_records
 
     cfg = _config(args, model, work / name, ROWS[name])
     check_inputs(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-    records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
+    records = training_records(cfg)
     sampler = PromptSampler(records, cfg.data.prompts_per_step, seed=cfg.train.seed)
     ctx = start_run(cfg, 0, tokenizer, records)
     plain = PlainGRPO(model, tokenizer, cfg)

@@ -386,6 +386,11 @@ class AlgorithmConfig:
     thresholds (noise.correction)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     """Calibrated Clipping: mode, every, level, smoothing, limits."""
+    recompute_check_every: int = 10
+    """Where the rollout is bit-identical to the trainer (rollout.fp8=aligned, model.dtype=float32),
+    the recompute of log π_old runs every N steps (steps 1, N+1, ...) as a check that it equals the
+    rollout's logprobs (a difference stops the run); other steps take the rollout's logprobs as
+    π_old. 1: recompute and check every step. Other runs recompute every step that needs it."""
     kl: KLConfig = field(default_factory=KLConfig)
     """KL to a reference policy: coef (0: off), estimator, in_reward, reference_path, precision, offload."""
 
@@ -395,6 +400,8 @@ class AlgorithmConfig:
         _check(self.correction in CORRECTIONS, "algorithm.correction", f"{self.correction!r} is not one of {CORRECTIONS}")
         _check(self.tis_cap > 0, "algorithm.tis_cap", "must be > 0")
         _check(0 <= self.mis_low < self.mis_high, "algorithm.mis_low", "need 0 <= mis_low < mis_high")
+        _check(self.recompute_check_every >= 1, "algorithm.recompute_check_every",
+               f"must be >= 1 (1: every step), got {self.recompute_check_every}")
         self._check_noise_options()
         self._check_clip_calibration()
 
@@ -457,8 +464,15 @@ class DataConfig:
     """Operations of the built-in task."""
     train_size: int = 2000
     """Problems drawn from the built-in train split."""
-    eval_size: int = 200
-    """Held-out problems evaluated."""
+    eval_size: int = 500
+    """Held-out problems evaluated at the start and the end of a run (builtin:arithmetic: drawn
+    from its eval split with eval_seed; a file: its first eval_size rows)."""
+    eval_seed: int = 0
+    """Seed of the built-in held-out draw: fixed, not train.seed, so every seed and arm of a study
+    is scored on the same problems."""
+    eval_interim_size: int = 0
+    """Held-out problems evaluated by the evals between the first and the last (the first N of the
+    held-out list, the same N each time); 0: all eval_size."""
     reward: str = "last_number"
     """Reward: a built-in (math_verify, last_number) or 'package.module:function'."""
     reward_timeout_s: float = 10.0
@@ -470,6 +484,8 @@ class DataConfig:
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
         _check(self.train_size >= 1, "data.train_size", f"must be >= 1, got {self.train_size}")
         _check(self.eval_size >= 1, "data.eval_size", f"must be >= 1, got {self.eval_size}")
+        _check(0 <= self.eval_interim_size <= self.eval_size, "data.eval_interim_size",
+               f"must be in [0, data.eval_size={self.eval_size}] (0: all), got {self.eval_interim_size}")
         unknown = sorted(set(self.arithmetic_ops) - set(OPERATIONS))
         _check(bool(self.arithmetic_ops) and not unknown, "data.arithmetic_ops",
                f"unknown {unknown or 'empty list'}; choose from {sorted(OPERATIONS)}")
@@ -494,7 +510,8 @@ class TrainConfig(OptimConfig):
     seed: int = 1234
     """Seed for model init, data order and sampling."""
     eval_every: int = 5
-    """Greedy eval every N steps (and before the first and after the last); 0: never."""
+    """Greedy eval every N steps (and before the first and after the last: all data.eval_size
+    problems; in between data.eval_interim_size); 0: never."""
     resume_changed_config: bool = False
     """Continue a run_dir made with a different config (same model); refused otherwise."""
 
@@ -538,6 +555,12 @@ class RunConfig:
         """The GEMM of the trainer's FP8 linears: batch_invariant for aligned rollouts (the Triton
         kernel the SGLang fp8rl method also runs on GPU, 'tiled' on CPU), else auto."""
         return self.fp8_plan.trainer_gemm
+
+    @property
+    def rollout_bit_identical(self) -> bool:
+        """Whether the rollout's logprobs are the trainer's recompute bit for bit: aligned FP8
+        rollouts on a float32 trainer (bf16 rounds apart in SGLang's and Megatron's kernels)."""
+        return self.fp8_plan.aligned and self.model.dtype == "float32"
 
     @property
     def fp8_plan(self) -> Fp8ServingPlan:

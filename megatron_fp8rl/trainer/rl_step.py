@@ -5,8 +5,9 @@ Owns: `rl_step` (the data flow of docs/design.md on one screen) and the helpers 
 rollouts (with per-step sampling seeds, `rollout_seed`) and rewards run on global rank 0 (the
 colocated SGLang engine or the server) and are broadcast; every rank then builds the batch and
 hands it to the actor (`MegatronActor.update`, which owns the mini-batch/DP loop and the
-optimizer steps); the weight sync sends the actor's weights back to the engine.
-Must not import: cli, trainer.loop.
+optimizer steps); the weight sync sends the actor's weights back to the engine. Where the rollout
+is bit-identical to the trainer the old-logprob recompute is a periodic check (`recompute_plan`,
+`check_recompute`). Must not import: cli, trainer.loop.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_fp8rl.data.rewards import RewardFn, score
 from megatron_fp8rl.rl.advantages import grpo_advantages, rloo_advantages
@@ -74,10 +76,11 @@ def rl_step(ctx: StepContext, prompts: Prompts, step: int) -> dict[str, float]:
     with timed(ctx.timings, "advantages"):
         batch = _make_batch(ctx.cfg, samples, rewards)
     with timed(ctx.timings, "recompute"):
-        old_logprobs = ctx.actor.old_logprobs(batch) if _recompute_needed(ctx.cfg) else None
+        old_logprobs, recompute_metrics = _old_logprobs(ctx, batch, step)
     batch, kl_metrics = _with_reference(ctx, batch, samples, rewards)
     with timed(ctx.timings, "train"):
-        train_metrics = {**ctx.actor.update(batch, old_logprobs, step), **fp8_metrics(ctx.actor.model), **kl_metrics}
+        train_metrics = {**ctx.actor.update(batch, old_logprobs, step), **fp8_metrics(ctx.actor.model),
+                         **recompute_metrics, **kl_metrics}
     with timed(ctx.timings, "sync"):
         sync_weights(ctx, version=step)
     tokens = float(batch.response_mask.sum())
@@ -212,6 +215,58 @@ def _recompute_needed(cfg: RunConfig) -> bool:
     if algo.old_policy == "bypass":
         return False
     return cfg.train.mini_batches > 1 or algo.calibration.mode != "none" or algo.noise.correction
+
+
+def recompute_plan(cfg: RunConfig, step: int) -> str:
+    """What step `step` does for log π_old: none (`_recompute_needed` says the update needs no
+    recompute), recompute (every step, as ever), or, where the rollout is bit-identical to the
+    trainer (RunConfig.rollout_bit_identical), check on steps 1, k+1, 2k+1, ... (k =
+    algorithm.recompute_check_every: recompute and `check_recompute`) and skip on the others (the
+    rollout's logprobs are the bits a recompute would give)."""
+    if not _recompute_needed(cfg):
+        return "none"
+    if not cfg.rollout_bit_identical:
+        return "recompute"
+    return "skip" if (step - 1) % cfg.algorithm.recompute_check_every else "check"
+
+
+def _old_logprobs(ctx: StepContext, batch: RolloutBatch, step: int) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """log π_old [B, S] for the update, or None (`recompute_plan`: none), and the recompute/*
+    metrics of a bit-identical rollout: recompute/skipped 1 on a skipped step, 0 on a checked one
+    (its sum counts the forwards saved), and the check's largest difference (0)."""
+    plan = recompute_plan(ctx.cfg, step)
+    if plan == "none":
+        return None, {}
+    if plan == "skip":
+        return batch.rollout_logprobs, {"recompute/skipped": 1.0}
+    recomputed = ctx.actor.old_logprobs(batch)
+    if plan == "recompute":
+        return recomputed, {}
+    difference = check_recompute(recomputed, batch, step)
+    return recomputed, {"recompute/skipped": 0.0, "recompute/check_max_abs_diff": difference}
+
+
+class RecomputeMismatch(RuntimeError):
+    """The recompute of log π_old differs from a rollout that should be bit-identical to it."""
+
+
+def check_recompute(recomputed: torch.Tensor, batch: RolloutBatch, step: int) -> float:
+    """The largest |recomputed − rollout logprob| [B, S] over the response tokens of every rank
+    that computes the loss (the last pipeline stage; the others hold zeros); RecomputeMismatch
+    naming the step and that difference when it is not 0. All ranks agree (MAX all-reduce)."""
+    largest = torch.zeros((), dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage():
+        delta = (recomputed.double() - batch.rollout_logprobs.double()).abs()
+        response = batch.response_mask.bool()
+        largest = delta[response].max() if response.any() else largest
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    if float(largest) != 0.0:
+        raise RecomputeMismatch(
+            f"step {step}: the recomputed log π_old differs from the aligned rollout's logprobs by up to "
+            f"{float(largest):.6g} (largest |difference| over the response tokens); they must be bit-identical "
+            "(rollout.fp8=aligned, model.dtype=float32), so the rollout's logprobs cannot stand in for the "
+            "recompute; the trainer and the served FP8 arithmetic have diverged")
+    return float(largest)
 
 
 def _colocated_engine(ctx: StepContext) -> bool:

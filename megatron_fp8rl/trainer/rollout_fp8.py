@@ -17,7 +17,7 @@ Owns (rollout.fp8 modes, fp8/serving.py RolloutFp8; each pair's plan: fp8/servin
   (`models.megatron_fp8_linear.frozen_fp8_scales`). At start, the actor's one calibration
   forward gives its live quantizers their first input bounds, so the recipe's own rule picks them.
 The engine's start checkpoint is written from the actor's own stream, the one every sync sends
-(`write_rollout_checkpoint`; trainer/loop.py), after that calibration forward where input scales
+(`write_rollout_checkpoint`; trainer/rollout_start.py), after that calibration forward where input scales
 are static (`Fp8ServingPlan.needs_calibration`). `prepare_rollout_checkpoint` is the same
 checkpoint exported from an HF folder, for an engine without a trainer (tests, bench/rollout.py).
 Scales are keyed by (global layer number, Megatron linear path: the model family's

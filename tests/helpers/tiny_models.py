@@ -64,15 +64,23 @@ def build_tiny_model(family: str, out_dir: Path, seed: int | None = None) -> Pat
 
 def build_tiny_rl_inputs(root: Path) -> tuple[Path, Path]:
     """A tiny random Llama and a 16-row JSONL of 4-word prompts (answer "w4") under `root`, for
-    short end-to-end RL runs; returns (model folder, prompt file)."""
+    short end-to-end RL runs, with 8 more prompts held out beside it (`held_out_prompts`);
+    returns (model folder, prompt file)."""
     model = build_tiny_model("llama", root / "model")
     generator = torch.Generator().manual_seed(0)
     prompts = root / "prompts.jsonl"
-    with open(prompts, "w") as handle:
-        for _ in range(16):
-            words = " ".join(f"w{int(i)}" for i in torch.randint(3, 128, (4,), generator=generator))
-            handle.write(json.dumps({"prompt": words, "answer": "w4"}) + "\n")
+    for path, rows in ((prompts, 16), (held_out_prompts(prompts), 8)):
+        with open(path, "w") as handle:
+            for _ in range(rows):
+                words = " ".join(f"w{int(i)}" for i in torch.randint(3, 128, (4,), generator=generator))
+                handle.write(json.dumps({"prompt": words, "answer": "w4"}) + "\n")
     return model, prompts
+
+
+def held_out_prompts(prompts: Path) -> Path:
+    """The held-out prompt file `build_tiny_rl_inputs` writes beside its training `prompts`
+    (a run refuses held-out prompts it trains on)."""
+    return prompts.with_name("held_out_prompts.jsonl")
 
 
 def _spread_weights(model: torch.nn.Module, seed: int) -> None:

@@ -10,13 +10,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megatron_fp8rl.compat.tcp_store import free_port
 from megatron_fp8rl.rl.metrics import eval_verdict
 from tests.helpers.processes import REPO, run_torchrun
+from tests.helpers.tiny_models import held_out_prompts
 
 CLI = REPO / "megatron_fp8rl" / "cli.py"
 
 
 def base_train_args(model: Path, prompts: Path) -> list[str]:
     """The overrides every test run starts from: 2 steps of 2 prompts x 4 samples of 6 tokens."""
-    return [f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={prompts}", "data.eval_size=8",
+    return [f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={held_out_prompts(prompts)}",
+            "data.eval_size=8",
             "data.reward=tests.trainer.reward_fns:first_word_even", "train.steps=2", "rollout.n_samples=4",
             "data.prompts_per_step=2", "rollout.max_new_tokens=6", "train.micro_batch_size=4",
             "train.eval_every=2", "train.lr=1e-3"]

@@ -13,7 +13,7 @@ from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling
 from megatron_fp8rl.models import te_recipe
 from megatron_fp8rl.models.hf import check_fp8_backend, te_fp8_overrides, transformer_config_from_hf
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.loop import check_inputs
+from megatron_fp8rl.trainer.start import check_inputs
 from tests.helpers.tiny_hf import tiny_hf_config
 
 EXPECTED_FIELDS = {

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron_fp8rl.study.runner import main as stability_main
 from tests.helpers.png import assert_png
-from tests.helpers.tiny_models import build_tiny_rl_inputs
+from tests.helpers.tiny_models import build_tiny_rl_inputs, held_out_prompts
 
 SETTINGS = ("exact", "tensorwise")
 FIGURES = ("reward", "entropy", "mismatch", "k3_kl", "ratio", "clip_fractions")
@@ -28,7 +28,7 @@ def study(tmp_path_factory):
         "--quick", "--study-dir", str(root / "study"), "--model", str(model),
         "--settings", ",".join(SETTINGS),
         "--add", "exact:model.fp8=none,rollout.fp8=none", "--seeds", "1",
-        "--set", f"data.train={prompts}", "--set", f"data.eval={prompts}",
+        "--set", f"data.train={prompts}", "--set", f"data.eval={held_out_prompts(prompts)}",
         "--set", "data.reward=tests.trainer.reward_fns:first_word_even", "--set", "train.lr=1e-3",
         "--timeout", "900"])
     assert code == 0

@@ -11,9 +11,10 @@ from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.fp8.recipe import DelayedScaling
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.loop import _rollout_model_path, _write_rollout_start, load_records
+from megatron_fp8rl.trainer.rollout_start import rollout_model_path, write_rollout_start
 from megatron_fp8rl.trainer.objective import Objective
 from megatron_fp8rl.trainer.rollout_fp8 import served_scales
+from megatron_fp8rl.trainer.start import training_records
 from tests.helpers.tiny_models import build_tiny_model
 
 YAML = """
@@ -57,9 +58,8 @@ def _start_checkpoint(model, run_dir, overrides):
                                         *overrides])
     actor = MegatronActor(convert_initial_checkpoint(model, run_dir / "init"), cfg.model, cfg.train,
                           Objective(cfg.algorithm, max_response_length=8), rollout_fp8=cfg.rollout.fp8)
-    records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
-    _write_rollout_start(cfg, actor, AutoTokenizer.from_pretrained(model), records)
-    return actor, _rollout_model_path(cfg)
+    write_rollout_start(cfg, actor, AutoTokenizer.from_pretrained(model), training_records(cfg))
+    return actor, rollout_model_path(cfg)
 
 
 def test_recipe_margin_reaches_the_aligned_rollout_checkpoint(megatron_tp1, tmp_path):
@@ -96,7 +96,7 @@ def test_static_per_tensor_start_checkpoint_takes_the_actors_input_maxima(megatr
               if name.endswith(".input_scale")}
     cfg = load_config(RunConfig, None, [f"model.hf_path={model}", "data.train_size=16"])
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [prompt_token_ids(r, tokenizer) for r in load_records(cfg.data.train, "train", 16, cfg)[:16]]
+    prompts = [prompt_token_ids(r, tokenizer) for r in training_records(cfg)[:16]]
     hf, maxima = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), {}
     for name, module in hf.named_modules():
         if isinstance(module, torch.nn.Linear) and ".layers." in name:

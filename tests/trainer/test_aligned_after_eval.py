@@ -22,12 +22,11 @@ PREFIX = " ".join(f"w{random.Random(0).randint(3, 127) + i}" for i in range(8))
 """The 8 words every prompt starts with (a shared system prompt, a task's fixed wording)."""
 
 
-def _shared_prefix_prompts(path: Path, rows: int, seed: int, repeat_of: list[dict] = ()) -> list[dict]:
-    """JSONL of the rows of `repeat_of` (prompts that also occur in another file), then prompts of
-    PREFIX and a 1-6 word tail (so of different lengths) up to `rows`."""
+def _shared_prefix_prompts(path: Path, rows: int, seed: int) -> list[dict]:
+    """JSONL of `rows` prompts of PREFIX and a 1-6 word tail (so of different lengths)."""
     r = random.Random(seed)
     prefix = PREFIX
-    records = [dict(row) for row in repeat_of]
+    records = []
     while len(records) < rows:
         tail = " ".join(f"w{r.randint(3, 127)}" for _ in range(r.randint(1, 6)))
         records.append({"prompt": f"{prefix} {tail}", "answer": "w4"})
@@ -37,20 +36,21 @@ def _shared_prefix_prompts(path: Path, rows: int, seed: int, repeat_of: list[dic
 
 def write_inputs(root: Path) -> tuple[Path, Path, Path]:
     """(model, train JSONL, eval JSONL): the train file is [A, A, B] (a step of 3 prompts draws all
-    three, so A repeats within every batch), the eval file holds A and seven prompts of its own;
-    all share an 8-word prefix and differ in length."""
+    three, so A repeats within every batch), the eval file eight prompts of its own (a run refuses
+    held-out prompts it trains on); all share an 8-word prefix and differ in length."""
     model = build_tiny_model("llama", root / "model")
     a, b = _shared_prefix_prompts(root / "train.jsonl", 2, 0)
     train = root / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in (a, a, b)))
-    _shared_prefix_prompts(root / "eval.jsonl", 8, 1, repeat_of=[a])
+    _shared_prefix_prompts(root / "eval.jsonl", 8, 1)
     return model, train, root / "eval.jsonl"
 
 
 @pytest.mark.multiprocess
 def test_aligned_mismatch_is_exactly_zero_after_an_eval(tmp_path):
     """groupwise32 trainer + aligned rollouts, 2 mini-batches (so the recompute's logprobs are the
-    ones compared), an eval before each of 2 steps. Before the fix: 7.7e-8 and 1.2e-7."""
+    ones compared; recompute_check_every=1 recomputes on every step, where a difference would stop
+    the run), an eval before each of 2 steps. Before the fix: 7.7e-8 and 1.2e-7."""
     model, train, evals = write_inputs(tmp_path)
     run_torchrun(CLI, 1, "train", f"model.hf_path={model}", f"data.train={train}", f"data.eval={evals}",
                  "data.eval_size=8", "data.reward=tests.trainer.reward_fns:first_word_even", "train.steps=2",
@@ -58,7 +58,7 @@ def test_aligned_mismatch_is_exactly_zero_after_an_eval(tmp_path):
                  "train.micro_batch_size=3", "train.mini_batches=2", "train.eval_every=1", "train.lr=1e-3",
                  "model.fp8=groupwise32", "rollout.fp8=aligned", "algorithm.name=grpo",
                  "algorithm.dynamic_sampling=false", "algorithm.old_policy=decoupled",
-                 f"run_dir={tmp_path / 'run'}", timeout=900)
+                 "algorithm.recompute_check_every=1", f"run_dir={tmp_path / 'run'}", timeout=900)
     mismatch = tb_scalars(tmp_path / "run")["train/mismatch_abs_logprob_diff_mean"]
     print(f"mismatch per step: {mismatch}")
     assert mismatch == [0.0, 0.0]
@@ -66,8 +66,8 @@ def test_aligned_mismatch_is_exactly_zero_after_an_eval(tmp_path):
 
 def write_issue_44_data(root: Path) -> tuple[Path, Path]:
     """Issue #44's add/mul files: train.jsonl 1000 problems drawn with random.Random(0), eval.jsonl
-    128 with random.Random(10000 + i) for problem i (about a fifth of the training prompts also
-    occur in the eval file)."""
+    those of the 128 drawn with random.Random(10000 + i) for problem i that are not training prompts
+    (issue #44's file held about a fifth of them; a run now refuses held-out prompts it trains on)."""
     def problem(r: random.Random) -> dict:
         kind = r.choice(["add", "mul"])
         a, b = (r.randint(10, 99), r.randint(10, 99)) if kind == "add" else (r.randint(2, 12), r.randint(2, 12))
@@ -76,7 +76,7 @@ def write_issue_44_data(root: Path) -> tuple[Path, Path]:
 
     r = random.Random(0)
     train = [problem(r) for _ in range(1000)]
-    evals = [problem(random.Random(10000 + i)) for i in range(128)]
+    evals = [row for row in (problem(random.Random(10000 + i)) for i in range(128)) if row not in train]
     for name, rows in (("train.jsonl", train), ("eval.jsonl", evals)):
         (root / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root / "train.jsonl", root / "eval.jsonl"
@@ -99,7 +99,8 @@ def test_aligned_smollm2_mismatch_is_exactly_zero_after_evals(tmp_path):
                  "rollout.max_new_tokens=20", "rollout.temperature=1.0", "algorithm.name=grpo",
                  "algorithm.clip.low=0.2", "algorithm.clip.high=0.2", "algorithm.dynamic_sampling=false",
                  "algorithm.correction=none", "train.lr=1e-5", "train.mini_batches=2", "train.micro_batch_size=16",
-                 "train.weight_decay=0.0", "train.steps=2", "train.eval_every=1", f"run_dir={tmp_path / 'run'}",
+                 "train.weight_decay=0.0", "train.steps=2", "train.eval_every=1", "algorithm.recompute_check_every=1",
+                 f"run_dir={tmp_path / 'run'}",
                  timeout=3000)
     mismatch = tb_scalars(tmp_path / "run")["train/mismatch_abs_logprob_diff_mean"]
     print(f"mismatch per step: {mismatch}")

@@ -7,7 +7,7 @@ import pytest
 from megatron_fp8rl.cli import main
 from megatron_fp8rl.config.loader import ConfigError, load_config
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.loop import check_inputs
+from megatron_fp8rl.trainer.start import check_inputs
 from tests.helpers.train import GPU_EXAMPLES
 
 
@@ -43,6 +43,9 @@ def test_unknown_key_suggests_closest(capsys):
     ("rollout.dtype=int8", r"rollout.dtype: 'int8' is not one of"),
     ("rollout.max_total_tokens=16", r"rollout.max_total_tokens: must exceed rollout.max_new_tokens \(32\)"),
     ("data.eval_size=0", r"data.eval_size: must be >= 1, got 0"),
+    ("data.eval_interim_size=600", r"data.eval_interim_size: must be in \[0, data.eval_size=500\] \(0: all\), got 600"),
+    ("data.eval_interim_size=-1", r"data.eval_interim_size: must be in \[0, data.eval_size=500\]"),
+    ("algorithm.recompute_check_every=0", r"algorithm.recompute_check_every: must be >= 1 \(1: every step\), got 0"),
     ("data.train_size=0", r"data.train_size: must be >= 1"),
     ("data.arithmetic_ops=[add,pow]", r"data.arithmetic_ops: unknown \['pow'\]"),
     ("algorithm.agg_mode=sum", r"algorithm.agg_mode: 'sum' is not one of"),
@@ -228,10 +231,10 @@ def test_delayed_recipes_take_megatron_lms_fp8_flags_over_their_own_defaults(nam
     assert (recipe.margin, recipe.amax_history_len, recipe.amax_compute_algo) == (1, 16, algo)
 
 def test_rollout_section_is_the_sglang_settings_the_engine_starts_with(tmp_path):
-    """Every SGLangSettings field set under rollout reaches the SGLangConfig the loop starts SGLang
+    """Every SGLangSettings field set under rollout reaches the SGLangConfig the run starts SGLang
     with, beside the served checkpoint and train.seed; engine_kwargs passes them on."""
     from megatron_fp8rl.rollout.sglang_common import SGLangSettings, engine_kwargs
-    from megatron_fp8rl.trainer.loop import _sglang_config
+    from megatron_fp8rl.trainer.engines import sglang_config
 
     cfg = load_config(RunConfig, None, [f"model.hf_path={tmp_path}", "model.dtype=bfloat16", "rollout.dtype=bfloat16",
                                         "rollout.device=cpu", "rollout.attention_backend=triton",
@@ -240,7 +243,7 @@ def test_rollout_section_is_the_sglang_settings_the_engine_starts_with(tmp_path)
                                         "rollout.activation_scheme=static", "rollout.fp8_backend=sglang",
                                         "rollout.memory_saver=false", "rollout.extra.chunked_prefill_size=256",
                                         "train.seed=7"])
-    config = _sglang_config(cfg)
+    config = sglang_config(cfg)
     names = [f.name for f in dataclasses.fields(SGLangSettings)]
     assert {name: getattr(config, name) for name in names} == {name: getattr(cfg.rollout, name) for name in names}
     assert {name: getattr(config, name) for name in names} != {name: getattr(SGLangSettings(), name) for name in names}

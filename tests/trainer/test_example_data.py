@@ -11,7 +11,7 @@ import pytest
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.data.rewards import load_reward_fn
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.loop import load_records
+from megatron_fp8rl.trainer.start import training_records
 from tests.helpers.processes import REPO
 from tests.helpers.train import GPU_EXAMPLES
 
@@ -41,7 +41,7 @@ def test_gpu_example_reads_dapo_math_rows_and_scores_them_with_math_verify(examp
     prompts = _write(tmp_path / f"dapo{suffix}", DAPO_ROWS)
     cfg = load_config(RunConfig, REPO / "examples" / example,
                       ["model.hf_path=/x", f"data.train={prompts}", f"data.eval={prompts}"])
-    records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
+    records = training_records(cfg)
     assert [r.messages for r in records] == [tuple(row["prompt"]) for row in DAPO_ROWS]
     assert [r.answer for r in records] == ["34", "\\frac{1}{2}"]
     assert [r.id for r in records] == [row["extra_info"]["index"] for row in DAPO_ROWS]

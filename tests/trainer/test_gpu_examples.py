@@ -11,7 +11,7 @@ import pytest
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.fp8.serving import RolloutFp8
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.loop import check_inputs, plan_lines
+from megatron_fp8rl.trainer.start import check_inputs, plan_lines
 from tests.helpers.train import GPU_EXAMPLES
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

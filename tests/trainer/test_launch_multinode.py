@@ -23,6 +23,7 @@ import requests
 from megatron_fp8rl.compat.tcp_store import free_port
 from tests.helpers.processes import REPO, kill_marked
 from tests.helpers.rollout import needs_sglang, sglang_config
+from tests.helpers.tiny_models import held_out_prompts
 from tests.helpers.train import tb_scalars
 
 SCRIPT = REPO / "examples" / "launch_multinode.sh"
@@ -38,7 +39,7 @@ def _launch_two_nodes(inputs, run_dir: Path, *overrides: str, timeout: float = 9
                OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MEGATRON_FP8RL_TEST_RUN=marker,
                HEAD_NODE="127.0.0.1", NNODES="2", GPUS_PER_NODE="1", RDZV_PORT=str(free_port()),
                RDZV_ID=marker)
-    args = [f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={prompts}",
+    args = [f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={held_out_prompts(prompts)}",
             "data.eval_size=8", "data.reward=tests.trainer.reward_fns:first_word_even",
             "train.steps=2", "rollout.n_samples=4", "data.prompts_per_step=2",
             "rollout.max_new_tokens=6", "train.micro_batch_size=4", "train.eval_every=2",

@@ -33,7 +33,7 @@ def test_responses_are_logged_as_text_not_printed(tmp_path, capsys):
 def test_plan_names_model_task_steps_and_where_logs_go():
     from megatron_fp8rl.config.loader import load_config
     from megatron_fp8rl.trainer.config import RunConfig
-    from megatron_fp8rl.trainer.loop import plan_lines
+    from megatron_fp8rl.trainer.start import plan_lines
 
     cfg = load_config(RunConfig, None, ["model.hf_path=/models/smol", "run_dir=/runs/x", "train.steps=7",
                                         "data.prompts_per_step=4", "rollout.n_samples=6",

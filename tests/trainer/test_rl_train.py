@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from megatron_fp8rl.rl.calibrated_clipping import ClipBounds, ClipLimits, calibrate
 from tests.helpers.processes import run_torchrun
+from tests.helpers.tiny_models import held_out_prompts
 from tests.helpers.train import CLI, run_train, tb_scalars, tb_texts
 
 
@@ -76,7 +77,7 @@ def test_a_reward_that_always_raises_stops_the_run_with_its_error(tiny_run_input
     only scores them 0 and is counted (tests/data/test_rewards.py)."""
     model, prompts = tiny_run_inputs
     output = run_torchrun(
-        CLI, 1, "train", f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={prompts}",
+        CLI, 1, "train", f"model.hf_path={model}", f"data.train={prompts}", f"data.eval={held_out_prompts(prompts)}",
         "data.eval_size=8", "data.reward=tests.trainer.reward_fns:always_raises", "train.steps=1",
         "rollout.n_samples=4", "data.prompts_per_step=2", "rollout.max_new_tokens=6",
         "train.eval_every=0", "algorithm.dynamic_sampling=false", f"run_dir={tmp_path}",
