@@ -24,7 +24,7 @@ from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.evaluation import eval_due, eval_metrics, evaluate_after
 from megatron_fp8rl.trainer.export import export_hf
 from megatron_fp8rl.trainer.rl_step import Prompts, StepContext, rl_step, sync_weights
-from megatron_fp8rl.trainer.start import prepare
+from megatron_fp8rl.trainer.start import prepare, step_cost_metrics
 from megatron_fp8rl.trainer.stop import StopRequested, StopSignals
 
 
@@ -48,7 +48,7 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
             begin = time.perf_counter()
             # seconds_setup: conversion, engine start, the first eval; seconds: the steps after it
             summary["seconds_setup"] = begin - setup_begin
-            _log(writer, ctx.setup_timings, start)
+            _log(writer, {**ctx.setup_timings, **step_cost_metrics(cfg)}, start)
             summary.update({k.replace("time/", "seconds_").removesuffix("_s"): v
                             for k, v in ctx.setup_timings.items()})
             bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,

@@ -9,6 +9,7 @@ Must not import: cli, trainer.loop.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from megatron_fp8rl.data.records import DatasetError, PromptRecord, prompt_token
 from megatron_fp8rl.data.rewards import load_reward_fn
 from megatron_fp8rl.data.splits import BUILTIN_ARITHMETIC, check_disjoint, load_records
 from megatron_fp8rl.models.hf import check_fp8_backend
+from megatron_fp8rl.rl.step_cost import dotted, step_passes, step_shape
 from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.engines import start_engine
@@ -139,3 +141,11 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
     return StepContext(cfg=cfg, actor=actor, engine=engine, reward_fn=load_reward_fn(cfg.data.reward),
                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), setup_timings=timings,
                        reference=reference)
+
+
+def step_cost_metrics(cfg: RunConfig) -> dict[str, float]:
+    """The run's extra passes per step beyond plain FP8's recompute + forward + backward
+    (rl/step_cost.py; the same count the equivalence report puts beside accuracy), for tensorboard."""
+    passes = step_passes(step_shape(dotted(dataclasses.asdict(cfg))))
+    return {"cost/extra_forward": passes.extra_forward, "cost/extra_backward": passes.extra_backward,
+            "cost/extra_share": passes.extra_share, "cost/monitor_forward": passes.monitor}

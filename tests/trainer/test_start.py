@@ -8,7 +8,7 @@ import pytest
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.data.records import DatasetError
 from megatron_fp8rl.trainer.config import RunConfig
-from megatron_fp8rl.trainer.start import held_out_records, run_records, training_records
+from megatron_fp8rl.trainer.start import held_out_records, run_records, step_cost_metrics, training_records
 
 
 def _cfg(*overrides: str) -> RunConfig:
@@ -52,3 +52,16 @@ def test_too_few_builtin_held_out_problems_name_data_eval_size():
     # mul and mul2 hold 18 + 317 = 335 problems in the eval split, fewer than the default 500
     with pytest.raises(DatasetError, match=r"^data.eval_size=500: asked for 500 eval problems but mul\+mul2 has only"):
         held_out_records(_cfg("data.arithmetic_ops=[mul,mul2]"))
+
+
+@pytest.mark.parametrize("overrides, extra_forward", [
+    ((), -1.0),  # one mini-batch: no recompute, its first forward is at θ_old
+    (("train.mini_batches=4",), 0.0),  # plain FP8: recompute + forward + backward
+    (("train.mini_batches=4", "model.fp8=groupwise32", "algorithm.calibration.mode=gate"), 1.75),  # (2M - 1)/M shadow forwards
+    (("train.mini_batches=2", "model.fp8=groupwise32", "algorithm.calibration.mode=gate"), 1.5),
+])
+def test_the_logged_step_cost_counts_the_run_configs_extra_forwards(overrides, extra_forward):
+    metrics = step_cost_metrics(_cfg(*overrides))
+    assert metrics["cost/extra_forward"] == extra_forward
+    assert metrics["cost/extra_backward"] == 0.0
+    assert metrics["cost/extra_share"] == extra_forward / 4
