@@ -67,7 +67,7 @@ def violations(component: str, source: str) -> list[str]:
 # L0 (fp8/, rl/) is torch-only: besides our own lower layers, it may import only these.
 L0_THIRD_PARTY = set(sys.stdlib_module_names) | {"torch", "numpy", "megatron_fp8rl"}
 L0_EXTRA = {"fp8/triton_gemm.py": {"triton"}, "fp8/triton_quantize.py": {"triton"}}
-"""The L0 modules that may import more: the Triton FP8 GEMM (fp8/linear.py imports it lazily) and
+"""The L0 modules that may import more: the Triton FP8 GEMM (fp8/gemm.py and fp8/cuda_gemm.py import it lazily) and
 the Triton quantization kernels (fp8/device_quantize.py imports them lazily)."""
 
 
