@@ -9,10 +9,10 @@ needs it), `cublas_takes` (whether padding the tokens is enough for a cuBLAS ker
 
 Kernels and their rules (torch 2.13's meta checks of `_scaled_mm` / `_scaled_mm_v2`, aten's
 ScaledBlas.cpp, and what cuBLAS refused on the lent H200, ../shared/DESIGN.md):
-- 'tensorwise' / 'rowwise': `torch._scaled_mm(mat_a [M, K], mat_b [K, N], scale_a, scale_b,
+- 'cublas_tensor' / 'cublas_row': `torch._scaled_mm(mat_a [M, K], mat_b [K, N], scale_a, scale_b,
   bias=, out_dtype=)`: mat_a row-major, mat_b column-major, K and N multiples of 16, not both
   E5M2; scales float32, one element each per tensor, (M, 1) and (1, N) contiguous per row.
-- 'blockwise_1x128_128x128' / 'blockwise_1x128_1x128': `torch.nn.functional.scaled_mm` with
+- 'cublas_1x128_128x128' / 'cublas_1x128_1x128': `torch.nn.functional.scaled_mm` with
   ScalingType.BlockWise1x128 for a and BlockWise128x128 / BlockWise1x128 for b (cuBLAS >= 12.9 on
   sm_90): the same layouts and multiples of 16; both operands E4M3; K and N multiples of 128 (the
   meta check sizes the scales by K // 128 and N // 128, ScaledBlas.cpp by ceil division: the two
@@ -43,8 +43,10 @@ import torch
 
 from megatron_fp8rl.fp8.quantize import Fp8Tensor
 
-CUBLAS_KERNELS = ("tensorwise", "rowwise", "blockwise_1x128_128x128", "blockwise_1x128_1x128")
+BLOCKWISE_KERNELS = ("cublas_1x128_128x128", "cublas_1x128_1x128")
+CUBLAS_KERNELS = ("cublas_tensor", "cublas_row", *BLOCKWISE_KERNELS)
 KERNELS = (*CUBLAS_KERNELS, "triton")
+"""The kernels a device GEMM call runs (module docstring)."""
 TOKENS = ("rows", "contraction")
 """Which dimension of a @ b^T holds the tokens (and may be padded): a's rows, or the contraction."""
 CUBLAS_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,7 +91,7 @@ def padded_tokens(kernel: str, m: int, k: int, tokens: str) -> tuple[int, int]:
     """(M, K) after padding the token dimension to what `kernel` takes (module docstring)."""
     if tokens not in TOKENS:
         raise ValueError(f"device FP8 GEMM: tokens {tokens!r}; valid: {TOKENS}")
-    blockwise = kernel.startswith("blockwise")
+    blockwise = kernel in BLOCKWISE_KERNELS
     if tokens == "rows":
         return (_round_up(m, MULTIPLE) if blockwise else m), k
     if kernel == "triton":
@@ -102,7 +104,7 @@ def cublas_takes(kernel: str, a: Fp8Tensor, b: Fp8Tensor, tokens: str) -> bool:
     hold for a [M, K] @ b [N, K]^T (module docstring)."""
     (m, k), n = a.data.shape, b.data.shape[0]
     k = padded_tokens(kernel, m, k, tokens)[1]
-    if kernel.startswith("blockwise"):
+    if kernel in BLOCKWISE_KERNELS:
         e4m3 = a.data.dtype == b.data.dtype == torch.float8_e4m3fn
         return e4m3 and k % BLOCK == 0 and n % BLOCK == 0
     both_e5m2 = a.data.dtype == b.data.dtype == torch.float8_e5m2
@@ -137,14 +139,14 @@ def _row_scales(t: Fp8Tensor, shape: tuple[int, int]) -> torch.Tensor:
 def _kernel_scales(kernel: str, a: Fp8Tensor, b: Fp8Tensor, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale_a, scale_b) in `kernel`'s layout for a padded to m rows and k columns."""
     n = b.data.shape[0]
-    if kernel == "tensorwise":
+    if kernel == "cublas_tensor":
         return a.scale_inv.float(), b.scale_inv.float()
-    if kernel == "rowwise":
+    if kernel == "cublas_row":
         return _row_scales(a, (m, 1)), _row_scales(b, (1, n))
     if kernel == "triton":
         return a.scale_inv, b.scale_inv
     scale_a = _column_major(a.scale_inv, m)
-    if kernel == "blockwise_1x128_1x128":
+    if kernel == "cublas_1x128_1x128":
         return scale_a, _column_major(b.scale_inv, n)
     groups = k // BLOCK
     padded = torch.nn.functional.pad(b.scale_inv.float(), (0, _round_up(groups, 4) - groups))
@@ -207,11 +209,11 @@ def _check_scales(rules: _Rules) -> None:
     call, m, k, n = rules.call, rules.m, rules.k, rules.n
     sa, sb = call.scale_a, call.scale_b
     rules.require(sa.dtype == sb.dtype == torch.float32, f"scales must be float32; found {sa.dtype}, {sb.dtype}")
-    if call.kernel == "tensorwise":
+    if call.kernel == "cublas_tensor":
         rules.require(sa.numel() == sb.numel() == 1, f"per-tensor scales hold one element each; found "
                                                      f"{tuple(sa.shape)}, {tuple(sb.shape)}")
         return
-    if call.kernel == "rowwise":
+    if call.kernel == "cublas_row":
         rules.require(tuple(sa.shape) == (m, 1) and tuple(sb.shape) == (1, n) and sa.is_contiguous()
                       and sb.is_contiguous(), f"row-wise scales are contiguous ({m}, 1) and (1, {n}); found "
                                               f"{tuple(sa.shape)}, {tuple(sb.shape)}")
@@ -223,7 +225,7 @@ def _check_scales(rules: _Rules) -> None:
     rules.require(n % BLOCK == 0, f"the output dimension N = {n} must be a multiple of {BLOCK}")
     rules.require(tuple(sa.shape) == (m, k // BLOCK) and _strides_are(sa, (1, m)),
                   f"scale_a must be ({m}, {k // BLOCK}) column-major; found {tuple(sa.shape)} strides {sa.stride()}")
-    if call.kernel == "blockwise_1x128_1x128":
+    if call.kernel == "cublas_1x128_1x128":
         want, strides = (n, k // BLOCK), (1, n)
     else:
         l4 = _round_up(k // BLOCK, 4)
@@ -250,7 +252,7 @@ def _blockwise(call: DeviceGemm, mat_a, mat_b, scale_a, scale_b, bias) -> torch.
     """`call`'s blockwise cuBLAS GEMM on the given tensors (the call's own, or meta stand-ins)."""
     from torch.nn.functional import ScalingType, scaled_mm
 
-    recipe_b = ScalingType.BlockWise1x128 if call.kernel == "blockwise_1x128_1x128" else ScalingType.BlockWise128x128
+    recipe_b = ScalingType.BlockWise1x128 if call.kernel == "cublas_1x128_1x128" else ScalingType.BlockWise128x128
     return scaled_mm(mat_a, mat_b, scale_a, ScalingType.BlockWise1x128, scale_b, recipe_b, bias=bias,
                      output_dtype=call.out_dtype)
 
@@ -261,7 +263,7 @@ def _scaled_mm(call: DeviceGemm, mat_a, mat_b, scale_a, scale_b, bias) -> torch.
 
 
 def _cublas(call: DeviceGemm, *tensors) -> torch.Tensor:
-    return (_scaled_mm if call.kernel in ("tensorwise", "rowwise") else _blockwise)(call, *tensors)
+    return (_scaled_mm if call.kernel in ("cublas_tensor", "cublas_row") else _blockwise)(call, *tensors)
 
 
 def _operands(call: DeviceGemm) -> tuple:
@@ -272,7 +274,7 @@ def _dequantized_blocks(call: DeviceGemm) -> tuple[torch.Tensor, torch.Tensor]:
     """(a [M, K], b [K, N]) of a blockwise `call` in fp32, each code times its group's multiplier."""
     a = call.mat_a.float() * call.scale_a.repeat_interleave(BLOCK, 1)
     b = call.mat_b.float()
-    if call.kernel == "blockwise_1x128_1x128":
+    if call.kernel == "cublas_1x128_1x128":
         return a, b * call.scale_b.t().repeat_interleave(BLOCK, 0)
     groups = b.shape[0] // BLOCK
     return a, b * call.scale_b[:groups].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
@@ -285,7 +287,7 @@ def _cublas_on_cpu(call: DeviceGemm) -> torch.Tensor:
     ('fp32_accumulate' of fp8/gemm.py, bit for bit), per group before it."""
     _cublas(call, *(None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
                     for t in _operands(call)))
-    if call.kernel in ("tensorwise", "rowwise"):
+    if call.kernel in ("cublas_tensor", "cublas_row"):
         y = (call.mat_a.float() @ call.mat_b.float()) * call.scale_a * call.scale_b
     else:
         a, b = _dequantized_blocks(call)

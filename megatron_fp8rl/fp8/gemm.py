@@ -203,7 +203,7 @@ def device_kernel(a: Fp8Tensor, b: Fp8Tensor, gemm: str, tokens: str = "rows") -
                          "'scaled_mm' / 'triton_invariant'")
     if gemm == "scaled_mm":
         kernel = _cublas_kernel(a, b)
-        if kernel == "rowwise" or (kernel is not None and cuda_gemm.cublas_takes(kernel, a, b, tokens)):
+        if kernel == "cublas_row" or (kernel is not None and cuda_gemm.cublas_takes(kernel, a, b, tokens)):
             return kernel
     _check_triton_layout(a, b)
     return "triton"
@@ -212,9 +212,9 @@ def device_kernel(a: Fp8Tensor, b: Fp8Tensor, gemm: str, tokens: str = "rows") -
 def _cublas_kernel(a: Fp8Tensor, b: Fp8Tensor) -> str | None:
     """The cuBLAS kernel for the operands' layout, whatever their shapes; None where there is none."""
     if _row_or_tensor(a, b):
-        return "tensorwise" if a.granularity == b.granularity == "tensor" else "rowwise"
+        return "cublas_tensor" if a.granularity == b.granularity == "tensor" else "cublas_row"
     if _same_groups(a, b) and a.block == (1, cuda_gemm.BLOCK) and b.block[0] in (1, cuda_gemm.BLOCK):
-        return "blockwise_1x128_1x128" if b.block[0] == 1 else "blockwise_1x128_128x128"
+        return "cublas_1x128_1x128" if b.block[0] == 1 else "cublas_1x128_128x128"
     return None
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.functional import ScalingType, scaled_mm
 
-from megatron_fp8rl.fp8.cuda_gemm import DeviceGemm, check_cuda_gemm, plan_device_gemm
+from megatron_fp8rl.fp8.cuda_gemm import BLOCKWISE_KERNELS, DeviceGemm, check_cuda_gemm, plan_device_gemm
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
 from megatron_fp8rl.fp8.gemm import device_kernel
 from megatron_fp8rl.fp8.quantize import quantize_blockwise, quantize_per_tensor
@@ -47,7 +47,7 @@ def torch_refuses(call: DeviceGemm) -> bool:
     """Whether torch's meta kernel of `call` (its CUDA layout and shape checks) raises."""
     a, b, sa, sb, bias = (_meta(t) for t in (call.mat_a, call.mat_b, call.scale_a, call.scale_b, call.bias))
     try:
-        if call.kernel in ("tensorwise", "rowwise"):
+        if call.kernel in ("cublas_tensor", "cublas_row"):
             torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=call.out_dtype)
         else:
             groups_b = call.kernel.endswith("1x128_1x128")
@@ -71,7 +71,7 @@ def test_planned_calls_for_rl_token_counts_pass_our_rules_and_torchs(layout, gra
         check_cuda_gemm(call)
         assert not torch_refuses(call), (label, kernel, call.mat_a.shape)
         assert call.rows == a.data.shape[0]
-        if kernel.startswith("blockwise"):
+        if kernel in BLOCKWISE_KERNELS:
             assert call.mat_a.shape[0] % 16 == 0  # cuBLAS refused M = 1, 2, 3, 7, 17, 333, 4095 (DESIGN.md)
 
 
@@ -79,14 +79,14 @@ def _wgrad_call(tokens: int, pad: bool) -> DeviceGemm:
     """A per-tensor wgrad dy^T [N, tokens] @ x^T [K, tokens]^T, its contraction padded or not."""
     _, a, b, _ = _linear_gemms("tensor", tokens, E5M2)[2]
     if pad:
-        return plan_device_gemm("tensorwise", a, b, torch.float32, "contraction")
-    return DeviceGemm("tensorwise", a.data, b.data.t(), a.scale_inv, b.scale_inv, torch.float32, rows=N)
+        return plan_device_gemm("cublas_tensor", a, b, torch.float32, "contraction")
+    return DeviceGemm("cublas_tensor", a.data, b.data.t(), a.scale_inv, b.scale_inv, torch.float32, rows=N)
 
 
 def test_an_unpadded_wgrad_over_50_tokens_is_refused_naming_the_contraction_and_the_rule():
     unpadded = _wgrad_call(50, pad=False)
     assert torch_refuses(unpadded)  # what cuBLAS would do on the first RL step
-    with pytest.raises(ValueError, match=r"tensorwise .*the contraction dimension K = 50 must be a multiple of 16"):
+    with pytest.raises(ValueError, match=r"cublas_tensor .*the contraction dimension K = 50 must be a multiple of 16"):
         check_cuda_gemm(unpadded)
     padded = _wgrad_call(50, pad=True)
     assert padded.mat_a.shape == (N, 64) and padded.mat_b.shape == (64, K)  # zero codes appended
@@ -96,7 +96,7 @@ def test_an_unpadded_wgrad_over_50_tokens_is_refused_naming_the_contraction_and_
 
 def _blockwise_forward(tokens: int) -> tuple:
     _, a, b, _ = _linear_gemms("block128", tokens, E4M3)[0]
-    return a, b, plan_device_gemm("blockwise_1x128_128x128", a, b, torch.bfloat16, "rows")
+    return a, b, plan_device_gemm("cublas_1x128_128x128", a, b, torch.bfloat16, "rows")
 
 
 def _replace(call: DeviceGemm, **fields) -> DeviceGemm:
@@ -107,7 +107,7 @@ def _violations():
     """(name, call breaking one rule, what our message names, whether torch's meta check knows the rule)."""
     tensor = _wgrad_call(64, pad=True)
     a, b, block = _blockwise_forward(64)
-    odd_m = DeviceGemm("blockwise_1x128_128x128", a.data[:50], block.mat_b, block.scale_a[:50], block.scale_b,
+    odd_m = DeviceGemm("cublas_1x128_128x128", a.data[:50], block.mat_b, block.scale_a[:50], block.scale_b,
                        torch.bfloat16, rows=50)
     row_major_scales = _replace(block, scale_a=block.scale_a.contiguous())
     unpadded_l4 = _replace(block, scale_b=b.scale_inv.t())  # (K/128 = 2, N/128): no padding to a multiple of 4

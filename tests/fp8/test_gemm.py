@@ -40,14 +40,14 @@ def _operands(scheme: str, n=256, k=256, fmt_a=E4M3):
 
 
 ROUTES = [  # (scheme, operand options, gemm, tokens dimension, kernel)
-    ("tensor", {}, "scaled_mm", "rows", "tensorwise"),
-    ("tensor", {"fmt_a": E5M2}, "scaled_mm", "rows", "tensorwise"),
-    ("row", {}, "scaled_mm", "rows", "rowwise"),
+    ("tensor", {}, "scaled_mm", "rows", "cublas_tensor"),
+    ("tensor", {"fmt_a": E5M2}, "scaled_mm", "rows", "cublas_tensor"),
+    ("row", {}, "scaled_mm", "rows", "cublas_row"),
     ("tensor", {"n": 200}, "scaled_mm", "rows", "triton"),  # N off cuBLAS's multiples of 16
-    ("tensor", {"k": 200}, "scaled_mm", "contraction", "tensorwise"),  # the tokens: padded
-    ("block128", {}, "scaled_mm", "rows", "blockwise_1x128_128x128"),
-    ("group128", {}, "scaled_mm", "rows", "blockwise_1x128_1x128"),
-    ("group128", {"k": 200}, "scaled_mm", "contraction", "blockwise_1x128_1x128"),
+    ("tensor", {"k": 200}, "scaled_mm", "contraction", "cublas_tensor"),  # the tokens: padded
+    ("block128", {}, "scaled_mm", "rows", "cublas_1x128_128x128"),
+    ("group128", {}, "scaled_mm", "rows", "cublas_1x128_1x128"),
+    ("group128", {"k": 200}, "scaled_mm", "contraction", "cublas_1x128_1x128"),
     ("block128", {"k": 300}, "scaled_mm", "rows", "triton"),  # K off the multiples of 128
     ("block128", {"fmt_a": E5M2}, "scaled_mm", "rows", "triton"),  # 'hybrid' gradients: no cuBLAS kernel
     ("group32", {}, "scaled_mm", "rows", "triton"),  # 1x32: no vendor kernel on Hopper
