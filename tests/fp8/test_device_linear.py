@@ -1,6 +1,8 @@
 """The FP8 linear's device path (fp8/device_linear.py) run on CPU tensors under Triton's
-interpreter (`linear.device_kernels_on_cpu()`): forward, dgrad and wgrad against an fp64 oracle
-within a bound derived from FP8 rounding, against the CPU path (bit for bit where both multiply
+interpreter (`linear.device_kernels_on_cpu()`, GEMMs routed as on CUDA: fp8/gemm.py): forward,
+dgrad and wgrad against an fp64 oracle within a bound derived from FP8 rounding, also at the token
+counts RL micro-batches have (1, 50, 333; 4095 in the slow tier) with every cuBLAS call passing
+our CUDA rules and torch's own checks, against the CPU path (bit for bit where both multiply
 the same operands), the weight cache's hits and misses, no host synchronization for any recipe,
 combinations without a device kernel refused by name, and the CPU path never importing triton.
 
