@@ -296,7 +296,12 @@ def _cublas_on_cpu(call: DeviceGemm) -> torch.Tensor:
 
 
 def run_device_gemm(call: DeviceGemm) -> torch.Tensor:
-    """`check_cuda_gemm(call)`, then the kernel; the result's first `call.rows` rows, [rows, N]."""
+    """`check_cuda_gemm(call)`, then the kernel; the result's first `call.rows` rows, [rows, N]. An
+    empty product (no tokens) runs no kernel (torch exempts zero dimensions from its rules too):
+    zeros, plus the bias."""
+    if 0 in (call.rows, *call.mat_b.shape):
+        zeros = torch.zeros(call.rows, call.mat_b.shape[1], device=call.mat_a.device)
+        return (zeros if call.bias is None else zeros + call.bias.float()).to(call.out_dtype)
     check_cuda_gemm(call)
     if call.kernel == "triton":
         from megatron_fp8rl.fp8.triton_gemm import triton_fp8_matmul_nt

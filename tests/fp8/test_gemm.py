@@ -130,3 +130,13 @@ def test_a_bias_the_kernel_cannot_fuse_is_added_in_fp32_and_rounded_once():
     bias = torch.randn(256, generator=torch.Generator().manual_seed(5))
     served = (fp8_matmul_nt(a, b, "triton_invariant") + bias).to(torch.bfloat16)
     assert torch.equal(device_matmul_nt(a, b, "triton_invariant", torch.bfloat16, bias=bias), served)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "blockwise"])
+def test_a_micro_batch_without_tokens_gives_empty_outputs_and_zero_weight_gradients(name):
+    x, w, b = torch.randn(0, 256, requires_grad=True), torch.randn(128, 256, requires_grad=True), torch.ones(128)
+    with device_kernels_on_cpu():
+        y = fp8_linear(x, w, b.requires_grad_(), make_quantizers(recipe_by_name(name)))
+        y.backward(torch.randn(0, 128))
+    assert y.shape == (0, 128) and x.grad.shape == (0, 256)
+    assert torch.equal(w.grad, torch.zeros(128, 256)) and torch.equal(b.grad, torch.zeros(128))
