@@ -1,4 +1,4 @@
-"""The CPU tier's batch-invariant FP8 GEMMs (fp8/linear.py) at SmolLM2-135M's decoder linears, as
+"""The CPU tier's batch-invariant FP8 GEMMs (fp8/gemm.py) at SmolLM2-135M's decoder linears, as
 SGLang's aligned rollouts run them, against a plain fp32 GEMM of the same shapes measured in the
 same run. One thread; per decoder layer (qkv, o, gate_up, down); two layouts: per-tensor scales
 (the calibrated recipe) and 1x32 groups (groupwise32, the demo's default).
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp8rl.fp8.formats import E4M3  # noqa: E402
-from megatron_fp8rl.fp8.linear import fp8_matmul_nt  # noqa: E402
+from megatron_fp8rl.fp8.gemm import fp8_matmul_nt  # noqa: E402
 from megatron_fp8rl.fp8.quantize import Fp8Tensor, quantize_blockwise, transposed_codes  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--recipes", default="calibrated,groupwise",
                         help="comma list of FP8 recipes (fp8/recipe.py RECIPE_NAMES)")
     parser.add_argument("--gemms", default="auto",
-                        help="comma list of FP8 GEMMs for the linears (fp8/linear.py GEMMS), e.g. "
+                        help="comma list of FP8 GEMMs for the linears (fp8/gemm.py GEMMS), e.g. "
                              "fp32_accumulate,exact to see what batch-invariance costs")
     parser.add_argument("--no-model", action="store_true", help="linears only")
     parser.add_argument("--profile", action="store_true")

@@ -205,7 +205,7 @@ def _gemm_operands(layout: str, x: torch.Tensor, w: torch.Tensor):
 
 
 def _triton(a, b, out_dtype=torch.bfloat16):
-    from megatron_fp8rl.fp8.linear import fp8_matmul_nt
+    from megatron_fp8rl.fp8.gemm import fp8_matmul_nt
 
     return fp8_matmul_nt(a, b, "triton_invariant", out_dtype=out_dtype)
 

@@ -15,7 +15,7 @@ Settings (rollout / trainer; every rollout samples the same prompts at temperatu
                   shows when the arithmetic before each quantization is merely close rather than
                   identical (DESIGN hazard 3; FP8 rounding amplifies ulp differences through 30
                   layers). The aligned row avoids it with identical arithmetic on both sides: the
-                  batch-invariant FP8 GEMM ('tiled' on CPU, fp8/linear.py: a row's bits whatever
+                  batch-invariant FP8 GEMM ('tiled' on CPU, fp8/gemm.py: a row's bits whatever
                   the batch) and the
                   trainer's attention repeating SGLang's torch_native calls
                   (models/megatron_attention.py, the trainer's logprob forward does the same).

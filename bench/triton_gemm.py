@@ -54,7 +54,7 @@ def _median_ms(fn, reps: int, device: str) -> float:
 
 def check(a, b) -> dict:
     """Bound ratio against the 'exact' GEMM and bit-identity of rows alone vs in the batch."""
-    from megatron_fp8rl.fp8.linear import fp8_matmul_nt
+    from megatron_fp8rl.fp8.gemm import fp8_matmul_nt
     from megatron_fp8rl.fp8.quantize import Fp8Tensor
 
     y = fp8_matmul_nt(a, b, "triton_invariant")

@@ -68,8 +68,8 @@ def violations(component: str, source: str) -> list[str]:
 L0_THIRD_PARTY = set(sys.stdlib_module_names) | {"torch", "numpy", "megatron_fp8rl"}
 L0_EXTRA = {"fp8/triton_gemm.py": {"triton"}, "fp8/triton_quantize.py": {"triton"},
             "fp8/triton_scaling.py": {"triton"}}
-"""The L0 modules that may import more: the Triton FP8 GEMM (fp8/linear.py imports it lazily) and
-the Triton quantization and scaling kernels (fp8/device_quantize.py imports them lazily)."""
+"""The L0 modules that may import more: the Triton FP8 GEMM (fp8/gemm.py and fp8/cuda_gemm.py import
+it lazily) and the Triton quantization and scaling kernels (fp8/device_quantize.py imports them lazily)."""
 
 
 def _imports(source: str):

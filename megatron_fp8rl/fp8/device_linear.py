@@ -2,14 +2,18 @@
 
 Owns: `DeviceFp8LinearFunction` and `device_fp8_linear`, what fp8/linear.py's `fp8_linear` runs
 for CUDA inputs (and for CPU inputs inside `linear.device_kernels_on_cpu()`, the tests, under
-TRITON_INTERPRET=1). Same arithmetic as the CPU path's (fp8/linear.py's module docstring), same
+TRITON_INTERPRET=1). Same arithmetic as the CPU path's (fp8/linear.py's and fp8/gemm.py's module docstrings), same
 quantizers and scaling state, with these differences:
 - every quantization is one fused kernel pass (fp8/device_quantize.py), statistics stay on the
   device, no host synchronization anywhere in forward or backward;
 - the weight's quantization (and its transposed copy) is cached until the weight changes
   (`device_quantize.device_quantize_weight`);
-- every GEMM is `fp8_matmul_nt` on FP8 operands, the backward's too: dgrad = Q_g(dy) [M, N] x
-  Q(W)^T [K, N], wgrad = Q_g(dy)^T [N, M] x Q(x)^T [K, M]. Per-tensor operands transpose exactly;
+- every GEMM is `gemm.device_matmul_nt` on FP8 operands, routed as on CUDA whatever the device
+  (vendor kernels under 'auto', the Triton kernel under 'batch_invariant', fp8/gemm.py), each
+  call checked against its kernel's rules, the result written in x's (dgrad) or the weight's
+  (wgrad) dtype by the kernel, the bias fused where cuBLAS takes it; the backward's too: dgrad =
+  Q_g(dy) [M, N] x Q(W)^T [K, N], wgrad = Q_g(dy)^T [N, M] x Q(x)^T [K, M] (the tokens M are its
+  contraction, padded to what cuBLAS takes). Per-tensor operands transpose exactly;
   1xG-group operands get a column-wise quantization of the high-precision tensor in the same
   kernel pass (Gx1 groups: the groups run along the wgrad's / dgrad's contraction), 128x128 weight
   blocks transpose exactly. The CPU path's backward instead multiplies the dequantized row-wise
@@ -26,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from megatron_fp8rl.fp8.device_quantize import device_quantize, device_quantize_weight
-from megatron_fp8rl.fp8.linear import _backward_gemm, fp8_matmul_nt, resolve_gemm
+from megatron_fp8rl.fp8.gemm import CUDA, backward_gemm, device_matmul_nt, resolve_gemm
 from megatron_fp8rl.fp8.quantize import Fp8Tensor
 from megatron_fp8rl.fp8.quantizer import Fp8Quantizers
 
@@ -49,16 +53,14 @@ class DeviceFp8LinearFunction(torch.autograd.Function):
         wgrad = grad and ctx.needs_input_grad[1]
         x_q = device_quantize(quantizers.input, _flat(x), transposed=wgrad)
         w_q = device_quantize_weight(quantizers.weight, weight, transposed=grad and ctx.needs_input_grad[0])
-        gemm = resolve_gemm(gemm, x.device)
-        y = fp8_matmul_nt(x_q, w_q, gemm)
-        if bias is not None:
-            y = y + bias.float()
-        ctx.quantizers, ctx.gemm, ctx.w_q = quantizers, _backward_gemm(gemm, x.device), w_q
+        gemm = resolve_gemm(gemm, CUDA)
+        y = device_matmul_nt(x_q, w_q, gemm, x.dtype, bias=bias, tokens="rows")
+        ctx.quantizers, ctx.gemm, ctx.w_q = quantizers, backward_gemm(gemm, CUDA), w_q
         ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None)
         x_t = x_q.transposed
         ctx.x_t_meta = None if x_t is None else (x_t.granularity, x_t.block)
         ctx.save_for_backward(*(() if x_t is None else (x_t.data, x_t.scale_inv)))
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -67,10 +69,10 @@ class DeviceFp8LinearFunction(torch.autograd.Function):
         g_q = device_quantize(ctx.quantizers.grad_output, dy, transposed=ctx.needs_input_grad[1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_matmul_nt(g_q, ctx.w_q.transposed, ctx.gemm).to(x_dtype).reshape(x_shape)
+            grad_x = device_matmul_nt(g_q, ctx.w_q.transposed, ctx.gemm, x_dtype, tokens="rows").reshape(x_shape)
         if ctx.needs_input_grad[1]:
             x_t = Fp8Tensor(*ctx.saved_tensors, *ctx.x_t_meta)
-            grad_w = fp8_matmul_nt(g_q.transposed, x_t, ctx.gemm).to(w_dtype)
+            grad_w = device_matmul_nt(g_q.transposed, x_t, ctx.gemm, w_dtype, tokens="contraction")
         if has_bias and ctx.needs_input_grad[2]:
             grad_b = dy.float().sum(0).to(w_dtype)
         return grad_x, grad_w, grad_b, None, None, None

@@ -51,7 +51,7 @@ class Fp8Tensor:
     """Optional precomputed `t()` (same values, kept by the same producers)."""
     dense_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional contiguous fp32 or fp64 copy of `data.t()` (2-D), kept by the same producers for
-    block operands: the [K, N] layout in which fp8/linear.py's grouped 'exact' GEMM reads a weight."""
+    block operands: the [K, N] layout in which fp8/gemm.py's grouped 'exact' GEMM reads a weight."""
     values: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Optional fp32 result of `dequantize()` kept by the same producers (the cached weight's
     backward reads it every micro-batch); shared, so callers must not modify what

@@ -71,7 +71,7 @@ class Fp8ServingPlan:
 
     @property
     def trainer_gemm(self) -> str:
-        """The GEMM of the trainer's FP8 linears (fp8.linear.GEMMS): batch_invariant when aligned."""
+        """The GEMM of the trainer's FP8 linears (fp8.gemm.GEMMS): batch_invariant when aligned."""
         return "batch_invariant" if self.aligned else "auto"
 
     def static_per_tensor(self, activation_scheme: str) -> bool:

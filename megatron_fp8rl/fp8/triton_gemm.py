@@ -2,7 +2,7 @@
 
 Owns: `triton_fp8_matmul_nt` (the host function: operand checks, launch), its kernel
 `_fp8_gemm_nt_kernel` and `_block_dot`, the one place where the CPU interpreter and the GPU differ;
-the 'triton_invariant' GEMM of fp8/linear.py.
+the 'triton_invariant' GEMM of fp8/gemm.py.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch and triton only;
 triton is imported by the one module that needs it, so fp8/ itself stays importable without it).
 

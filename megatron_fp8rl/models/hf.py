@@ -201,7 +201,7 @@ def layer_spec(
     (megatron_fp8rl.models.megatron_fp8_linear); with `use_te`, FP8 comes from TE's autocast
     (the config fields of `te_fp8_overrides`), so the spec is unchanged. Both specs store the
     same checkpoint keys (the local spec maps its separate norms onto TE's fused names).
-    `fp8_gemm`: our FP8 linears' GEMM (fp8.linear.GEMMS; batch_invariant for aligned rollouts).
+    `fp8_gemm`: our FP8 linears' GEMM (fp8.gemm.GEMMS; batch_invariant for aligned rollouts).
     """
     use_te = (transformer_engine_usable() and fp8_recipe is None) if use_te is None else use_te
     if use_te:

@@ -34,7 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
 from megatron_fp8rl.compat.versions import check_signature
-from megatron_fp8rl.fp8.linear import tiled_matmul
+from megatron_fp8rl.fp8.gemm import tiled_matmul
 from megatron_fp8rl.models.served_arithmetic import single_threaded
 
 _PROMPT_LENGTHS: ContextVar[Sequence[int] | None] = ContextVar("sglang_prompt_lengths", default=None)
@@ -158,7 +158,7 @@ def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:
 def serve_output_layer_in_tiles(model: torch.nn.Module) -> None:
     """Inside `sglang_call_layout`, the model's float32 CPU output layer (Megatron's
     ColumnParallelLinear `output_layer`, when this stage has one) computes its logits TILE_ROWS rows
-    per GEMM (fp8/linear.py `tiled_matmul`), as our SGLang plugin's lm_head does
+    per GEMM (fp8/gemm.py `tiled_matmul`), as our SGLang plugin's lm_head does
     (served_arithmetic.tile_cpu_lm_head): a row's logits then do not depend on how many rows share
     the call. Under autograd the value is the tiles', the gradient the usual GEMM's. Outside the
     layout, or for other dtypes and devices, Megatron's own GEMM. In place."""

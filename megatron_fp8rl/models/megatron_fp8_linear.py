@@ -42,13 +42,8 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_fp8rl.compat.versions import check_signature
-from megatron_fp8rl.fp8.linear import (
-    check_recipe_gemm,
-    fp8_linear,
-    load_quantizers_extra_state,
-    quantizers_extra_state,
-    resolve_gemm,
-)
+from megatron_fp8rl.fp8.gemm import check_recipe_gemm, resolve_gemm
+from megatron_fp8rl.fp8.linear import fp8_linear, load_quantizers_extra_state, quantizers_extra_state
 from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers, next_scale
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 
@@ -129,7 +124,7 @@ for _layer in (ColumnParallelLinear, RowParallelLinear):
 
 class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
     """ColumnParallelLinear with FP8 GEMMs (module docstring); keywords `fp8_recipe` and
-    `fp8_gemm` (megatron_fp8rl.fp8.linear.GEMMS)."""
+    `fp8_gemm` (megatron_fp8rl.fp8.gemm.GEMMS)."""
 
     def __init__(self, *args, fp8_recipe: Fp8Recipe | None = None, fp8_gemm: str = "auto",
                  **kwargs):
@@ -139,7 +134,7 @@ class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
 
 class Fp8RowParallelLinear(_Fp8LinearMixin, RowParallelLinear):
     """RowParallelLinear with FP8 GEMMs (module docstring); keywords `fp8_recipe` and
-    `fp8_gemm` (megatron_fp8rl.fp8.linear.GEMMS)."""
+    `fp8_gemm` (megatron_fp8rl.fp8.gemm.GEMMS)."""
 
     def __init__(self, *args, fp8_recipe: Fp8Recipe | None = None, fp8_gemm: str = "auto",
                  **kwargs):
@@ -167,7 +162,7 @@ def fp8_local_layer_spec(recipe: Fp8Recipe | None = None, gemm: str = "auto",
                          **local_spec_kwargs):
     """`get_gpt_layer_local_spec(**local_spec_kwargs)` with every Column/RowParallelLinear
     (attention qkv and projection, MLP fc1 and fc2) replaced by its FP8 drop-in using `recipe`
-    (default CalibratedDelayedScaling()) and FP8 GEMM `gemm` (fp8/linear.py GEMMS)."""
+    (default CalibratedDelayedScaling()) and FP8 GEMM `gemm` (fp8/gemm.py GEMMS)."""
     recipe = CalibratedDelayedScaling() if recipe is None else recipe
     replacements = {
         layer: ModuleSpec(module=fp8_layer, params={"fp8_recipe": recipe, "fp8_gemm": gemm})

@@ -4,7 +4,7 @@ Owns: `single_threaded()` (a block in which torch's intra-op pool has one thread
 patches of SGLang's CPU serving arithmetic, applied in the scheduler process by
 rollout/sglang_fp8.register(): `align_torch_native_attention()` (the torch_native backend's SDPA
 calls run single-threaded, and its extend computes every query row as its own one-query call) and
-`tile_cpu_lm_head()` (a float32 lm_head computed TILE_ROWS rows per GEMM, fp8/linear.py's
+`tile_cpu_lm_head()` (a float32 lm_head computed TILE_ROWS rows per GEMM, fp8/gemm.py's
 `tiled_matmul`). The trainer's side of the same arithmetic lives in models/megatron_attention.py.
 Must not import: anything of ours above layer L2; sglang only inside the patch functions.
 
@@ -31,7 +31,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from megatron_fp8rl.compat.versions import expect, patch
-from megatron_fp8rl.fp8.linear import tiled_matmul
+from megatron_fp8rl.fp8.gemm import tiled_matmul
 
 
 @contextmanager
@@ -114,7 +114,7 @@ def _extend_row_by_row(self, query, output, k_cache, v_cache, req_to_token, req_
 
 
 def tile_cpu_lm_head() -> None:
-    """SGLang's plain float32 lm_head on CPU computed TILE_ROWS rows per GEMM (fp8/linear.py's
+    """SGLang's plain float32 lm_head on CPU computed TILE_ROWS rows per GEMM (fp8/gemm.py's
     `tiled_matmul`, as the trainer's output layer in the served layout), so a row's logits do not
     depend on how many rows the batch has (idempotent). Other lm_heads (LoRA, quantized, GPU,
     bf16) keep SGLang's path. UntestedVersionError on an sglang version or signature drift."""

@@ -22,7 +22,7 @@ Checkpoint layouts served (what convert/fp8_export.py writes; `quant_method: fp8
   groupwise32 recipe's aligned rollouts), activations in 1 x bk groups per token.
 Arithmetic (DESIGN hazard 3): static per-tensor activations with a uniform weight scale (the
 aligned rollout) run exactly the trainer's FP8 linear: `quantize_with_scale_inv` then the
-trainer's own `fp8_matmul_nt` (fp8/linear.py) with the config's GEMM, by default
+trainer's own `fp8_matmul_nt` (fp8/gemm.py) with the config's GEMM, by default
 'batch_invariant' ('tiled' on CPU, the Triton kernel 'triton_invariant' on CUDA: a row's bits do
 not depend on the batch, so decode steps and the trainer's whole-sequence recompute agree), bias
 added in fp32, cast to the activation dtype. Block weights run `fp8_matmul_nt` with 1 x bk
@@ -55,7 +55,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from megatron_fp8rl.compat import versions
 from megatron_fp8rl.compat.bf16_gemm import patch_sglang_bf16_gemms
 from megatron_fp8rl.fp8.formats import E4M3
-from megatron_fp8rl.fp8.linear import fp8_matmul_nt, resolve_gemm
+from megatron_fp8rl.fp8.gemm import fp8_matmul_nt, resolve_gemm
 from megatron_fp8rl.fp8.quantize import (
     Fp8Tensor,
     dequantize_blockwise,
@@ -97,7 +97,7 @@ class Fp8RLConfig(QuantizationConfig):
         """The served model's family: its decoder linears and SGLang's fused names for them."""
         resolve_gemm(gemm, torch.device("cpu"))  # reject an unknown name now
         self.gemm = gemm
-        """The FP8 GEMM of fp8/linear.py GEMMS; the trainer's aligned recompute must use the same."""
+        """The FP8 GEMM of fp8/gemm.py GEMMS; the trainer's aligned recompute must use the same."""
         if activation_scheme not in ("dynamic", "static"):
             raise ValueError(f"{OUR_FP8_METHOD}: activation_scheme must be dynamic or static, not {activation_scheme!r}")
         if weight_block_size is not None:

@@ -123,7 +123,7 @@ class MegatronActor:
                  calibration_dir: Path | None = None):
         """`train_cfg`: the optimizer's settings (it is an OptimConfig), mini_batches and
         micro_batch_size; `objective`: the run's, built once; `fp8_gemm`: our FP8 linears' GEMM
-        (fp8.linear.GEMMS; RunConfig.trainer_fp8_gemm); `rollout_fp8`: rollout.fp8. The rollout
+        (fp8.gemm.GEMMS; RunConfig.trainer_fp8_gemm); `rollout_fp8`: rollout.fp8. The rollout
         engine starts from this actor's own `publisher.publish` (trainer/rollout_start.py), so the FP8
         scales it serves are the ones the actor remembers. `calibration_dir`: where Calibrated
         Clipping records each calibration's values (algorithm.calibration.record), or None."""

@@ -1,6 +1,8 @@
 """The FP8 linear's device path (fp8/device_linear.py) run on CPU tensors under Triton's
-interpreter (`linear.device_kernels_on_cpu()`): forward, dgrad and wgrad against an fp64 oracle
-within a bound derived from FP8 rounding, against the CPU path (bit for bit where both multiply
+interpreter (`linear.device_kernels_on_cpu()`, GEMMs routed as on CUDA: fp8/gemm.py): forward,
+dgrad and wgrad against an fp64 oracle within a bound derived from FP8 rounding, also at the token
+counts RL micro-batches have (1, 50, 333; 4095 in the slow tier) with every cuBLAS call passing
+our CUDA rules and torch's own checks, against the CPU path (bit for bit where both multiply
 the same operands), the weight cache's hits and misses, no host synchronization for any recipe,
 combinations without a device kernel refused by name, and the CPU path never importing triton.
 
@@ -21,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_fp8rl.fp8.device_quantize import check_device_recipe, device_quantize_weight
 from megatron_fp8rl.fp8.formats import recipe_formats
-from megatron_fp8rl.fp8.linear import check_recipe_gemm, device_kernels_on_cpu, fp8_linear
+from megatron_fp8rl.fp8.gemm import check_recipe_gemm
+from megatron_fp8rl.fp8.linear import device_kernels_on_cpu, fp8_linear
 from megatron_fp8rl.fp8.quantizer import make_quantizers, weights_updated
 from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling, recipe_by_name
 
@@ -69,28 +72,96 @@ def _bound(a, b, rounding_a, rounding_b):
     return 1.01 * (quantized + (k + 4) * U * magnitudes) + U * (a @ b.t())
 
 
-@pytest.mark.parametrize("name", RECIPES)
-def test_forward_and_backward_within_the_fp64_oracle_bound(name):
-    y, dx, dw, db, quantizers = _run(name, device_path=True)
-    x, w, b, dy = (t.double() for t in _inputs())
-    forward, backward = recipe_formats(recipe_by_name(name, fp8_format="hybrid").fp8_format)
+def _assert_within_bound(name, fmt, inputs, outputs, quantizers):
+    """y, dx and dW of one device-path forward + backward within the module docstring's bound of
+    the fp64 oracle; db the plain fp32 sum of dy."""
+    (x, w, b, dy), (y, dx, dw, db) = (t.double() for t in inputs), outputs
+    n, k = w.shape
+    forward, backward = recipe_formats(recipe_by_name(name, fp8_format=fmt).fp8_format)
     stats = quantizers.stats()
-    rx, rw, rg = (_rounding(fmt, stats[role]) for fmt, role in
+    rx, rw, rg = (_rounding(operand_fmt, stats[role]) for operand_fmt, role in
                   ((forward, "input"), (forward, "weight"), (backward, "grad_output")))
-    x2, dy2 = x.reshape(-1, K), dy.reshape(-1, N)
-    checks = {"y": (y.reshape(-1, N), x2 @ w.t() + b, _bound(x2, w, rx, rw)),
-              "dx": (dx.reshape(-1, K), dy2 @ w, _bound(dy2, w.t(), rg, rw)),
+    x2, dy2 = x.reshape(-1, k), dy.reshape(-1, n)
+    checks = {"y": (y.reshape(-1, n), x2 @ w.t() + b, _bound(x2, w, rx, rw)),
+              "dx": (dx.reshape(-1, k), dy2 @ w, _bound(dy2, w.t(), rg, rw)),
               "dW": (dw, dy2.t() @ x2, _bound(dy2.t(), x2.t(), rg, rx))}
     for label, (got, exact, bound) in checks.items():
         ratio = ((got.double() - exact).abs() / bound).max()
-        print(f"{name} {label}: max |error| / bound {float(ratio):.3f}")
+        print(f"{name} {fmt} {label}: max |error| / bound {float(ratio):.3f}")
         assert ratio <= 1, label
-    assert torch.equal(db, _inputs()[3].reshape(-1, N).sum(0))  # bias: plain fp32 sum of dy
+    assert torch.equal(db, inputs[3].reshape(-1, n).sum(0))  # bias: plain fp32 sum of dy
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_forward_and_backward_within_the_fp64_oracle_bound(name):
+    *outputs, quantizers = _run(name, device_path=True)
+    _assert_within_bound(name, "hybrid", _inputs(), outputs, quantizers)
+
+
+RL_TOKENS = [1, 50, 333]
+"""Token counts RL micro-batches have (padded to the longest sample: rarely a multiple of 16)."""
+RL_K, RL_N = 256, 128
+"""Multiples of 128: the cuBLAS blockwise kernels take the block recipes' E4M3 x E4M3 GEMMs."""
+BLOCK_CUBLAS_CALLS = {("groupwise32", "hybrid"): 0, ("groupwise32", "e4m3"): 0, ("blockwise", "hybrid"): 1,
+                      ("groupwise", "hybrid"): 1, ("blockwise", "e4m3"): 3, ("groupwise", "e4m3"): 3}
+"""cuBLAS GEMMs of a block recipe's forward + backward: 1x32 groups have none (the Triton kernel),
+E5M2 gradients ('hybrid') none in the backward; per-tensor recipes run all three on cuBLAS."""
+
+
+class CublasCalls(TorchDispatchMode):
+    """Records the cuBLAS FP8 GEMMs torch checked: on CPU tensors fp8/cuda_gemm.py hands each call
+    to torch on meta tensors, where torch applies its CUDA rules (a call they refuse raises)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("_scaled_mm", "_scaled_mm_v2"):
+            self.calls.append((func.overloadpacket.__name__, tuple(args[0].shape), args[0].device.type))
+        return func(*args, **(kwargs or {}))
+
+
+def _rl_case(name, fmt, tokens):
+    """(inputs, outputs, quantizers, cuBLAS calls) of one device-path forward + backward over `tokens` tokens."""
+    gen = torch.Generator().manual_seed(tokens)
+    inputs = (torch.randn(tokens, RL_K, generator=gen) * torch.logspace(-1, 1, RL_K),
+              torch.randn(RL_N, RL_K, generator=gen) * 0.05, torch.randn(RL_N, generator=gen) * 0.1,
+              torch.randn(tokens, RL_N, generator=gen) * 1e-2)
+    x, w, b = (t.clone().requires_grad_() for t in inputs[:3])
+    quantizers = make_quantizers(recipe_by_name(name, fp8_format=fmt))
+    with device_kernels_on_cpu(), CublasCalls() as cublas:
+        y = fp8_linear(x, w, b, quantizers)
+        y.backward(inputs[3])
+    return inputs, (y.detach(), x.grad, w.grad, b.grad), quantizers, cublas.calls
+
+
+def _check_rl_tokens(name, fmt, tokens):
+    inputs, outputs, quantizers, calls = _rl_case(name, fmt, tokens)
+    _assert_within_bound(name, fmt, inputs, outputs, quantizers)
+    assert len(calls) == BLOCK_CUBLAS_CALLS.get((name, fmt), 3), calls
+    for op, (rows, _), device in calls:
+        assert device == "meta" and (op == "_scaled_mm" or rows % 16 == 0), (op, rows)  # blockwise: M padded
+
+
+@pytest.mark.parametrize("tokens", RL_TOKENS)
+@pytest.mark.parametrize("name, fmt", [(name, "hybrid") for name in RECIPES]
+                         + [(name, "e4m3") for name in ("blockwise", "groupwise", "groupwise32")])
+def test_rl_token_counts_pass_the_cuda_rules_and_the_oracle_bound(name, fmt, tokens):
+    _check_rl_tokens(name, fmt, tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, fmt", [(name, "hybrid") for name in RECIPES] + [("blockwise", "e4m3")])
+def test_rl_token_count_4095_passes_the_cuda_rules_and_the_oracle_bound(name, fmt):
+    _check_rl_tokens(name, fmt, 4095)
 
 
 @pytest.mark.parametrize("name", PER_TENSOR)
 def test_per_tensor_recipes_equal_the_cpu_path_bit_for_bit(name):
-    device, cpu = _run(name, device_path=True), _run(name, device_path=False)
+    # the device path's cuBLAS `_scaled_mm` runs on CPU as the fp32 GEMM of the codes scaled after the
+    # sum (fp8/cuda_gemm.py), the CPU path's 'fp32_accumulate' (48 tokens: no padding)
+    device, cpu = _run(name, device_path=True, gemm="scaled_mm"), _run(name, device_path=False, gemm="fp32_accumulate")
     for got, expected in zip(device[:4], cpu[:4]):
         assert torch.equal(got, expected)
 
@@ -98,7 +169,8 @@ def test_per_tensor_recipes_equal_the_cpu_path_bit_for_bit(name):
 @pytest.mark.parametrize("name", ["blockwise", "groupwise32"])
 def test_block_recipes_forward_equals_the_cpu_path(name):
     # their backward multiplies column-wise quantized operands, the CPU path dequantized rows
-    assert torch.equal(_run(name, device_path=True)[0], _run(name, device_path=False)[0])
+    device, cpu = (_run(name, device_path=on_device, gemm="triton_invariant")[0] for on_device in (True, False))
+    assert torch.equal(device, cpu)
 
 
 @pytest.mark.parametrize("name", ["calibrated", "groupwise", "tensorwise"])

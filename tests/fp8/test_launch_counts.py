@@ -9,12 +9,11 @@ interpreter's own torch work inside a launch is not counted), and every aten op 
 kernel on a CUDA device: all ops except views (`OpOverload.is_view`: view, t, as_strided, expand,
 slices, ...), allocations without a fill (empty, empty_strided, empty_like, new_empty), the
 metadata-only detach / alias / lift_fresh, and ops whose outputs hold no element (a copy of 0
-elements). A fill (zeros, ones, full) counts. GEMMs as on CUDA: `fp8_matmul_nt` as the device
-path calls it runs `linear._cuda_matmul_nt`, the code CUDA tensors take (per tensor: one
-`torch._scaled_mm`, which CPU torch runs; blocks and groups: the Triton GEMM), with
-gemm='scaled_mm', what 'auto' resolves to on CUDA. Inputs are fp32: with bf16 ones the device
-path launches 6 dtype casts more today (the GEMM outputs, the bias and the bias gradient), which
-GEMMs writing the caller's dtype themselves remove (issue 64 item 1).
+elements). A fill (zeros, ones, full) counts. GEMMs as on CUDA: the device path routes every GEMM
+as for CUDA tensors (fp8/gemm.py `device_matmul_nt`, gemm='scaled_mm', what 'auto' resolves to on
+CUDA): a cuBLAS call (fp8/cuda_gemm.py; on CPU its stand-in `_cublas_on_cpu`) counts as one launch,
+whatever its stand-in computes; the Triton GEMM counts as its launch; the operand padding and scale
+layouts a call plans run as counted aten ops, as they would on CUDA.
 """
 import collections
 
@@ -23,7 +22,7 @@ import torch
 import triton.runtime.jit as triton_jit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_fp8rl.fp8 import device_linear, linear
+from megatron_fp8rl.fp8 import cuda_gemm
 from megatron_fp8rl.fp8.device_quantize import device_quantize, device_quantize_weight
 from megatron_fp8rl.fp8.linear import device_kernels_on_cpu, fp8_linear
 from megatron_fp8rl.fp8.quantizer import make_quantizers, weights_updated
@@ -87,12 +86,21 @@ def _count_triton_launches(monkeypatch):
         return counted
 
     monkeypatch.setattr(triton_jit.KernelInterface, "__getitem__", getitem)
-    monkeypatch.setattr(device_linear, "fp8_matmul_nt", _gemm_as_on_cuda)
+    original_cublas = cuda_gemm._cublas_on_cpu
 
+    def cublas_launch(call):
+        """One cuBLAS call is one launch; its CPU stand-in's torch work is not counted."""
+        counter = _ACTIVE[-1] if _ACTIVE else None
+        if counter is None:
+            return original_cublas(call)
+        counter.launches[f"cublas:{call.kernel}"] += 1
+        counter._in_triton += 1
+        try:
+            return original_cublas(call)
+        finally:
+            counter._in_triton -= 1
 
-def _gemm_as_on_cuda(a, b, gemm="scaled_mm", out_dtype=torch.float32):
-    """The device path's GEMM routed as for CUDA tensors (module docstring)."""
-    return linear._cuda_matmul_nt(a, b, gemm, out_dtype)
+    monkeypatch.setattr(cuda_gemm, "_cublas_on_cpu", cublas_launch)
 
 
 class counting:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
-from megatron_fp8rl.fp8.linear import Fp8Linear, fp8_linear, fp8_matmul_nt
+from megatron_fp8rl.fp8.gemm import fp8_matmul_nt
+from megatron_fp8rl.fp8.linear import Fp8Linear, fp8_linear
 from megatron_fp8rl.fp8.quantize import (
     Fp8Tensor, quantize_blockwise, quantize_per_row, quantize_per_tensor, quantize_with_scale_inv,
 )

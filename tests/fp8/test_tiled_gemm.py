@@ -1,4 +1,4 @@
-"""The 'tiled' FP8 GEMM (fp8/linear.py), the CPU tier's batch-invariant GEMM of aligned rollouts:
+"""The 'tiled' FP8 GEMM (fp8/gemm.py), the CPU tier's batch-invariant GEMM of aligned rollouts:
 a row's bits do not depend on how many rows are multiplied with it, where it sits among them,
 what the other rows hold, or torch's thread count; its values are the FP8 product within fp32
 summation error of the exact sum ('exact', itself tested against Fraction arithmetic)."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_fp8rl.fp8.formats import E4M3
-from megatron_fp8rl.fp8.linear import TILE_ROWS, fp8_matmul_nt
+from megatron_fp8rl.fp8.gemm import TILE_ROWS, fp8_matmul_nt
 from megatron_fp8rl.fp8.quantize import Fp8Tensor, quantize_blockwise, quantize_per_row, quantize_with_scale_inv
 
 # (n, k): SmolLM2's down projection (1536 -> 576) is a shape where one fp32 GEMM of 1 or 2 rows

@@ -1,8 +1,8 @@
 """The 'triton_invariant' FP8 GEMM (fp8/triton_gemm.py) on CPU under Triton's interpreter: agreement
 with the 'exact' / float64 oracles within the fp32-accumulation bound, rows bit-identical whatever
 the batch around them (per tensor, 1x128 and 1x32 groups, 128x128 blocks, ragged K), the bf16
-epilogue, the GPU code path compiled for sm_90 (no GPU needed), fp8/linear.py's CUDA routing run on
-CPU tensors, and bad input and kernel-less recipe x GEMM combinations refused by name.
+epilogue, the GPU code path compiled for sm_90 (no GPU needed), and bad input and kernel-less
+recipe x GEMM combinations refused by name (fp8/gemm.py's device routing: tests/fp8/test_gemm.py).
 
 The bound (u = 2**-24, fp32's unit roundoff; |A|, |B| the dequantized operands' magnitudes):
 products of FP8 values are exact in fp32, so the kernel's only errors are its fp32 additions
@@ -21,7 +21,8 @@ import torch
 
 from megatron_fp8rl.fp8 import triton_gemm
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
-from megatron_fp8rl.fp8.linear import _cuda_matmul_nt, check_recipe_gemm, fp8_linear, fp8_matmul_nt, resolve_gemm
+from megatron_fp8rl.fp8.gemm import check_recipe_gemm, fp8_matmul_nt, resolve_gemm
+from megatron_fp8rl.fp8.linear import fp8_linear
 from megatron_fp8rl.fp8.quantize import (
     ACTIVATION_BLOCK,
     WEIGHT_BLOCK,
@@ -177,29 +178,6 @@ def test_fp8_linear_runs_groupwise32_through_the_kernel():
     y = fp8_linear(x, weight, None, make_quantizers(groupwise32()), "triton_invariant")
     torch.testing.assert_close(y, fp8_linear(x, weight, None, make_quantizers(groupwise32()), "exact"),
                                rtol=1e-5, atol=1e-5)
-
-
-def test_cuda_routing_on_cpu_tensors():
-    """fp8/linear.py's CUDA routing (`_cuda_matmul_nt`, run here on CPU tensors): per tensor is
-    `_scaled_mm`, per row its row-wise scaling (a per-tensor partner broadcast), groups and blocks
-    the Triton kernel, under 'scaled_mm' as under 'triton_invariant'; the CPU GEMMs raise."""
-    a, b = _operands("tensor", k=128)
-    torch.testing.assert_close(_cuda_matmul_nt(a, b, "scaled_mm", torch.float32), fp8_matmul_nt(a, b, "scaled_mm"))
-    gen = torch.Generator().manual_seed(3)
-    rows = quantize_per_row(torch.randn(M, 128, generator=gen), E4M3)
-    b_rows = quantize_per_row(b.dequantize(), E4M3)
-    for left, right in ((rows, b), (rows, b_rows), (a, b_rows)):
-        y = _cuda_matmul_nt(left, right, "scaled_mm", torch.bfloat16)
-        reference = (left.dequantize().double() @ right.dequantize().double().t()).bfloat16()
-        assert y.dtype == torch.bfloat16
-        torch.testing.assert_close(y.float(), reference.float(), rtol=2**-7, atol=1e-6)
-    for scheme in ("block128", "group32"):
-        a, b = _operands(scheme, k=300)
-        for gemm in ("scaled_mm", "triton_invariant"):
-            assert torch.equal(_cuda_matmul_nt(a, b, gemm, torch.float32), fp8_matmul_nt(a, b, "triton_invariant"))
-    for gemm in ("exact", "tiled", "fp32_accumulate", "auto"):
-        with pytest.raises(ValueError, match=rf"FP8 gemm '{gemm}' on cuda: not an FP8 kernel"):
-            _cuda_matmul_nt(a, b, gemm, torch.float32)
 
 
 def test_batch_invariant_gemm_is_triton_on_cuda_and_tiled_on_cpu():

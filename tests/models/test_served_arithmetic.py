@@ -8,7 +8,7 @@ import torch
 
 from megatron_fp8rl.compat import sglang_cpu
 from megatron_fp8rl.compat.versions import UntestedVersionError
-from megatron_fp8rl.fp8.linear import tiled_matmul
+from megatron_fp8rl.fp8.gemm import tiled_matmul
 from megatron_fp8rl.models import served_arithmetic
 
 
