@@ -190,7 +190,9 @@ def device_matmul_nt(a: Fp8Tensor, b: Fp8Tensor, gemm: str, out_dtype: torch.dty
     if bias is None or fused:
         return cuda_gemm.run_device_gemm(cuda_gemm.plan_device_gemm(kernel, a, b, out_dtype, tokens, bias))
     y = cuda_gemm.run_device_gemm(cuda_gemm.plan_device_gemm(kernel, a, b, torch.float32, tokens))
-    return (y + bias.float()).to(out_dtype)  # one rounding, as SGLang's served layer adds its bias
+    # in place: the fp32 sum with the bias promoted inside the add (no cast of its own); one rounding,
+    # as SGLang's served layer adds its bias
+    return y.add_(bias).to(out_dtype)
 
 
 def device_kernel(a: Fp8Tensor, b: Fp8Tensor, gemm: str, tokens: str = "rows") -> str:

@@ -131,15 +131,16 @@ def _fwd_bwd(x, w, b, dy, quantizers):
     return (y, *torch.autograd.grad(y, (x, w, b), dy))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", RECIPES)
-def test_a_linear_forward_and_backward_launches_at_most_12_kernels(name):
-    x, w, b, dy = _inputs()
+def test_a_linear_forward_and_backward_launches_at_most_12_kernels(name, dtype):
+    x, w, b, dy = (t.detach().to(dtype).requires_grad_(t.requires_grad) for t in _inputs())
     quantizers = make_quantizers(recipe_by_name(name))
     with device_kernels_on_cpu():
         first = _fwd_bwd(x, w, b, dy, quantizers)  # fills the weight cache, gives delayed scales a history
         with counting() as counter:
             second = _fwd_bwd(x, w, b, dy, quantizers)
-    print(f"{name}: {counter.total} launches {dict(counter.launches)}")
+    print(f"{name} {dtype}: {counter.total} launches {dict(counter.launches)}")
     assert counter.total <= PER_LINEAR, dict(counter.launches)
     assert all(torch.isfinite(t).all() for t in (*first, *second))
 
