@@ -98,8 +98,8 @@ def _write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer,
     if cfg.fp8_plan.needs_calibration(rollout.activation_scheme):
         bounds = calibration_forward(actor, [prompt_token_ids(r, tokenizer) for r in train_records[:16]])
     actor.publisher.publish(
-        lambda tensors: write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg), rollout.fp8,
-                                                 rollout.activation_scheme, cfg.model.fp8),
+        lambda tensors: write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), _rollout_model_path(cfg),
+                                                 cfg.fp8_plan, rollout.activation_scheme),
         bounds if cfg.fp8_plan.static_per_tensor(rollout.activation_scheme) else None)
     dist.barrier()
 
@@ -278,7 +278,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
     with timed(timings, "setup_actor"):
         actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                               Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
-                              rollout_fp8=cfg.rollout.fp8,
+                              serving=cfg.fp8_plan,
                               calibration_dir=run_dir / "calibration" if cfg.algorithm.calibration.record else None)
     if cfg.fp8_plan.fp8:
         with timed(timings, "setup_rollout_checkpoint"):

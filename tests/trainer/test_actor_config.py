@@ -56,7 +56,7 @@ def _start_checkpoint(model, run_dir, overrides):
     cfg = load_config(RunConfig, None, [f"model.hf_path={model}", f"run_dir={run_dir}", "data.train_size=16",
                                         *overrides])
     actor = MegatronActor(convert_initial_checkpoint(model, run_dir / "init"), cfg.model, cfg.train,
-                          Objective(cfg.algorithm, max_response_length=8), rollout_fp8=cfg.rollout.fp8)
+                          Objective(cfg.algorithm, max_response_length=8), serving=cfg.fp8_plan)
     records = load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
     _write_rollout_start(cfg, actor, AutoTokenizer.from_pretrained(model), records)
     return actor, _rollout_model_path(cfg)
