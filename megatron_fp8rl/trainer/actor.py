@@ -117,6 +117,8 @@ class MegatronActor:
         engine starts from this actor's own `publisher.publish` (trainer/loop.py), so the FP8
         scales it serves are the ones the actor remembers. `calibration_dir`: where Calibrated
         Clipping records each calibration's values (algorithm.calibration.record), or None."""
+        self.serving = _serving_plan(serving, model_cfg.fp8)
+        """The FP8 serving plan of (model.fp8, rollout.fp8): aligned recomputes run as served."""
         self.hf_config = json.loads((Path(model_cfg.hf_path) / "config.json").read_text())
         check_parallel_layout(self.hf_config, parallel_state.get_tensor_model_parallel_world_size(),
                               parallel_state.get_pipeline_model_parallel_world_size())
@@ -126,8 +128,6 @@ class MegatronActor:
         self.model = wrap_ddp(model, distributed_optimizer=train_cfg.distributed_optimizer)
         self.optimizer = build_optimizer(self.model, train_cfg)
         self.model_cfg, self.train_cfg, self.objective = model_cfg, train_cfg, objective
-        self.serving = _serving_plan(serving, model_cfg.fp8)
-        """The FP8 serving plan of (model.fp8, rollout.fp8): aligned recomputes run as served."""
         self.publisher = WeightPublisher(self.model, self.hf_config, self.serving)
         """Where the weights go out: the rollout snapshot, the served FP8 scales (weight_publisher.py)."""
         self.calibrator = (ClipCalibrator(objective.algo, calibration_dir)
