@@ -179,6 +179,31 @@ def test_a_killed_holders_lock_is_taken_over_with_a_warning(holder, capsys):
             f"{process.pid} (started 20") in capsys.readouterr().err
 
 
+FORKING_HOLDER = ("import os, sys, time\nfrom megatron_fp8rl.trainer.run_dir import RunDirLock\n"
+                  "RunDirLock(sys.argv[1]).acquire()\nchild = os.fork()\n"
+                  "if child == 0:\n    time.sleep(120)\n    os._exit(0)\n"
+                  "print(child, flush=True)\ntime.sleep(120)\n")
+"""A run that started a forked child (which shares its lock) before it was killed."""
+
+
+@pytest.mark.multiprocess
+def test_a_lock_kept_by_a_killed_runs_forked_child_is_named_as_such(tmp_path):
+    """The holder's pid is gone, yet its lock is held (a fork of it lives on): refused, saying so.
+    Starts the holder and its forked child."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = int(process.stdout.readline())
+    try:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        with pytest.raises(RunDirBusyError, match=rf"pid {process.pid} .*; that pid is gone on this host, so a "
+                                                  rf"process it started still holds the lock \(find it with `fuser"):
+            RunDirLock(run_dir).acquire()
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_a_released_lock_is_taken_without_a_warning(tmp_path, capsys):
     with hold_run_dir(tmp_path, rank=0):
         pass
