@@ -109,9 +109,10 @@ TORCHRUN_OPTIONS = ("nproc-per-node", "nnodes", "node-rank", "master-addr", "mas
 """torchrun's options `launch` passes on (the layout and rendezvous of a run)."""
 
 
-def _check_train(cfg) -> None:
+def _check_train(cfg, single_node: bool) -> None:
     """What a `train` worker refuses before its first slow step, checked in this process: input
-    files, reward, FP8 backend, datasets, the run_dir's provenance and its lock."""
+    files, reward, FP8 backend, datasets, the run_dir's provenance and (`single_node`) its lock: on
+    several nodes the run's own rank 0 may hold it already when a later node's launcher checks."""
     from megatron_fp8rl.trainer.loop import check_inputs, load_records
     from megatron_fp8rl.trainer.run_dir import check_run_dir, check_run_dir_free
 
@@ -119,7 +120,8 @@ def _check_train(cfg) -> None:
     load_records(cfg.data.train, "train", cfg.data.train_size, cfg)
     load_records(cfg.data.eval, "eval", cfg.data.eval_size, cfg)
     check_run_dir(cfg)
-    check_run_dir_free(Path(cfg.run_dir))
+    if single_node:
+        check_run_dir_free(Path(cfg.run_dir))
 
 
 def _launch(args: argparse.Namespace) -> NoReturn:
@@ -134,7 +136,7 @@ def _launch(args: argparse.Namespace) -> NoReturn:
 
         check_layout(int(args.nproc_per_node) * int(args.nnodes or 1), cfg.model.tensor_parallel,
                      cfg.model.pipeline_parallel)
-    _check_train(cfg)
+    _check_train(cfg, single_node=str(args.nnodes or 1) == "1")
     launcher = [f"--{option}={value}" for option in TORCHRUN_OPTIONS
                 if (value := getattr(args, option.replace("-", "_"))) is not None]
     debug = ["--debug"] if args.debug else []

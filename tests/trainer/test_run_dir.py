@@ -260,3 +260,15 @@ def test_a_resubmitted_run_is_refused_while_the_first_trains_to_its_end(tiny_run
         kill_marked(marker)
     assert (run_dir / LOCK).read_text() == ""  # released at the end
     assert (run_dir / "summary.json").is_file()
+
+
+@pytest.mark.multiprocess
+def test_only_a_single_node_launch_checks_the_lock_first(models, holder):
+    """On several nodes, a later node's launcher may find the lock its own run's rank 0 already
+    took: there the workers' lock decides. Starts the holder process."""
+    from megatron_fp8rl.cli import _check_train
+
+    process, run_dir = holder
+    _check_train(_cfg(models["a"], run_dir), single_node=False)
+    with pytest.raises(RunDirBusyError, match=f"pid {process.pid} "):
+        _check_train(_cfg(models["a"], run_dir), single_node=True)
