@@ -129,6 +129,7 @@ def run(args) -> dict[str, dict[str, float]]:
     from megatron_fp8rl.data.records import prompt_token_ids
     from megatron_fp8rl.fp8.recipe import BlockwiseScaling, CalibratedDelayedScaling
     from megatron_fp8rl.models.megatron_fp8_linear import shared_fp8_scales
+    from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
     from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors, served_scales
     from safetensors.torch import load_file
 
@@ -154,13 +155,14 @@ def run(args) -> dict[str, dict[str, float]]:
 
     trainer = _megatron(hf_dir, mcore, CalibratedDelayedScaling())
     texts = [tokenizer.decode(p) for p in prompts]
-    served = prepare_rollout_checkpoint(hf_dir, work / "aligned", "aligned", "static", "calibrated", texts)
+    plan = plan_for(RolloutFp8.ALIGNED, "calibrated")
+    served = prepare_rollout_checkpoint(hf_dir, work / "aligned", plan, "static", texts)
     _trainer_logprobs(trainer, [_Prompt(p) for p in prompts])  # calibrating forward (the trainer's)
     scales = shared_fp8_scales(trainer)
     hf_weights = load_file(hf_dir / "model.safetensors")
     num_layers = int(json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"])
     sync = lambda engine: engine.update_weights(  # noqa: E731
-        rollout_tensors(((n, t.float()) for n, t in hf_weights.items()), num_layers, "aligned", scales), version=1)
+        rollout_tensors(((n, t.float()) for n, t in hf_weights.items()), num_layers, plan, scales), version=1)
     samples, tps = _rollout(served, args, prompts, fp8="aligned", before=sync)
     assert served_scales(served)  # the start checkpoint is aligned too (the test checks it)
     _record(results, "aligned/calibrated", {**_mismatch(samples, _trainer_logprobs(trainer, samples, scales)), "tokens_per_s": tps})

@@ -228,13 +228,14 @@ def _served(model: Path, fp8: bool, cache: Path) -> tuple[Path, dict[str, torch.
     if not fp8:
         return model, tensors
     from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
+    from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
     from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
 
     served = cache / f"{model.name}-fp8"
     if not (served / "config.json").is_file():
         export_fp8(model, served, Fp8ExportOptions(scheme="tensor"), progress=False, overwrite=True)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    return served, dict(rollout_tensors(tensors.items(), layers, "per_tensor"))
+    return served, dict(rollout_tensors(tensors.items(), layers, plan_for(RolloutFp8.PER_TENSOR, "none")))
 
 
 def _layer_bytes(tensors: dict[str, torch.Tensor]) -> int:

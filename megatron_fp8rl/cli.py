@@ -4,6 +4,7 @@ Owns: argv parsing, process start-up (through launch.py) and wiring components t
 layer (L4, with launch.py) that reads the environment or creates process groups.
 Subcommands:
   train        RL post-training from an HF checkpoint (YAML config + dotted overrides; torchrun)
+  launch       `train` under torchrun, once its config, input files and run_dir have been checked
   demo         the tiny Megatron GPT on a built-in task (the smallest end-to-end check)
   convert      HF safetensors <-> Megatron torch_dist
   export-fp8   an FP8 HF checkpoint SGLang serves
@@ -11,7 +12,9 @@ Subcommands:
   stability    the FP8 stability study: one RL job under several precision arms and seeds, then report
 Every command first passes the version gate (compat/versions.py; override MEGATRON_FP8RL_ALLOW_UNTESTED).
 A user error (bad config value, missing or damaged input, refused output) prints as one line,
-`error: ...`, exit status 2; `--debug` shows the traceback instead.
+`error: ...`, exit status 2 (under torchrun, from rank 0 only); `--debug` shows the traceback
+instead. torchrun itself adds its ChildFailedError traceback when a worker exits non-zero, so
+`launch` checks what a worker would refuse before torchrun starts any.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 from megatron_fp8rl.compat import versions
 
@@ -79,6 +83,7 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_fp8rl.rl.metrics import eval_verdict
     from megatron_fp8rl.trainer.config import RunConfig
     from megatron_fp8rl.trainer.loop import train
+    from megatron_fp8rl.trainer.run_dir import hold_run_dir
     from megatron_fp8rl.trainer.stop import StopRequested
     from transformers.utils import logging as transformers_logging
 
@@ -86,7 +91,8 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(RunConfig, args.config, args.overrides)
     layout = init_distributed(cfg.model.tensor_parallel, cfg.model.pipeline_parallel, seed=cfg.train.seed)
     try:
-        summary = train(cfg, layout.rank)
+        with hold_run_dir(Path(cfg.run_dir), layout.rank):  # one run per run_dir, for the run's life
+            summary = train(cfg, layout.rank)
     except StopRequested as stopped:
         print(f"megatron-fp8rl train: {stopped}", file=sys.stderr)
         return 128 + stopped.signum
@@ -96,6 +102,49 @@ def _train(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         print(eval_verdict(summary))
     return 0
+
+
+TORCHRUN_OPTIONS = ("nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port", "rdzv-backend",
+                    "rdzv-endpoint", "rdzv-id", "max-restarts")
+"""torchrun's options `launch` passes on (the layout and rendezvous of a run)."""
+
+
+def _check_train(cfg, single_node: bool) -> None:
+    """What a `train` worker refuses before its first slow step, checked in this process: input
+    files, reward, FP8 backend, datasets, the run_dir's provenance and (`single_node`) its lock: on
+    several nodes the run's own rank 0 may hold it already when a later node's launcher checks."""
+    from megatron_fp8rl.trainer.run_dir import check_run_dir, check_run_dir_free
+    from megatron_fp8rl.trainer.start import check_inputs, run_records
+
+    check_inputs(cfg)
+    run_records(cfg)  # both datasets, and the held-out problems disjoint from the training prompts
+    check_run_dir(cfg)
+    if single_node:
+        check_run_dir_free(Path(cfg.run_dir))
+
+
+def _launch(args: argparse.Namespace) -> NoReturn:
+    """Check the train config (keys, values, files, run_dir), then replace this process with
+    torchrun running `train` on it: a config error is one line and exit 2, before any worker."""
+    from megatron_fp8rl.config.loader import load_config
+    from megatron_fp8rl.trainer.config import RunConfig
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    if str(args.nproc_per_node).isdigit() and str(args.nnodes or 1).isdigit():  # not torchrun's auto/ranges
+        from megatron_fp8rl.launch import check_layout
+
+        check_layout(int(args.nproc_per_node) * int(args.nnodes or 1), cfg.model.tensor_parallel,
+                     cfg.model.pipeline_parallel)
+    _check_train(cfg, single_node=str(args.nnodes or 1) == "1")
+    launcher = [f"--{option}={value}" for option in TORCHRUN_OPTIONS
+                if (value := getattr(args, option.replace("-", "_"))) is not None]
+    debug = ["--debug"] if args.debug else []
+    config = ["--config", args.config] if args.config else []
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "megatron_fp8rl.cli", *debug,
+               "train", *config, *args.overrides]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -163,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="YAML run config (see examples/)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 model.fp8=calibrated")
     train.set_defaults(func=_train)
+    launch = commands.add_parser("launch", help="check the train config and inputs, then run `train` under torchrun")
+    for option in TORCHRUN_OPTIONS:
+        launch.add_argument(f"--{option}", help=f"torchrun's --{option}")
+    launch.add_argument("--config", default=None, help="YAML run config (see examples/)")
+    launch.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    launch.set_defaults(func=_launch)
     from megatron_fp8rl.convert.cli_commands import add_convert_arguments, add_export_fp8_arguments
 
     add_convert_arguments(commands)
@@ -223,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug or not _is_user_error(exc):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every torchrun worker meets the same error
+            print(f"error: {exc}", file=sys.stderr)
         return 2
 
 

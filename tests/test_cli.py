@@ -1,14 +1,17 @@
 """The GPT warm-up: `megatron-fp8rl demo` under torchrun learns the built-in task and writes
 tensorboard logs."""
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_fp8rl.cli import build_parser
-from tests.helpers.processes import run_torchrun
+from tests.helpers.processes import REPO, run_torchrun
 
 CLI = Path(__file__).resolve().parents[1] / "megatron_fp8rl" / "cli.py"
 
@@ -37,9 +40,6 @@ def test_parser_rejects_unknown_command(capsys):
 
 def test_help_imports_neither_torch_nor_megatron():
     """Before: 7-26 s, the parser imported megatron.core."""
-    import subprocess
-    import sys
-
     script = ("import sys\nfrom megatron_fp8rl.cli import main\n"
               "for argv in (['--help'], ['train', '--help'], ['export-fp8', '--help'], ['convert', 'megatron-to-hf', '--help']):\n"
               "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
@@ -60,8 +60,6 @@ def test_parser_constants_match_the_converters():
 def test_expected_library_warnings_are_quiet_here_and_in_started_processes():
     """Before: Megatron's TE/Apex and SGLang's CUDA-only warnings printed from SGLang's spawned
     scheduler, which does not inherit this process's filters. Other warnings still show."""
-    import subprocess
-    import sys
     import warnings
 
     from megatron_fp8rl.cli import _quiet_known_library_warnings
@@ -96,3 +94,34 @@ def test_sglang_sigquit_notice_is_dropped_and_its_errors_still_show(caplog):
         logger.error("Using custom SIGQUIT handler: <bound method SGLangEngine._on_signal>")
         logger.error("Scheduler hit an exception: Traceback ...")
     assert [record.getMessage() for record in caplog.records] == ["Scheduler hit an exception: Traceback ..."]
+
+
+def _cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The real CLI in a fresh interpreter (one process)."""
+    return subprocess.run([sys.executable, "-m", "megatron_fp8rl.cli", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("argv, error", [
+    (["algorithm.clip_low=0.2"], "error: override: 'algorithm.clip_low' was renamed: use 'algorithm.clip.low'"),
+    (["model.hf_path=/nonexistent/model"], "error: model.hf_path=/nonexistent/model: no config.json (not an HF "
+                                           "checkpoint folder)"),
+    (["model.hf_path=/nonexistent/model", "model.tensor_parallel=2"],
+     "error: tensor_parallel (2) x pipeline_parallel (1) = 2 does not divide the world size 3"),
+])
+def test_launch_prints_a_bad_config_as_its_error_line_alone(argv, error, tmp_path):
+    """What scripts/demo.sh execs, with a bad override: checked before torchrun starts any worker
+    (before: the error line, then torchrun's 30-line ChildFailedError traceback). 1 process."""
+    done = _cli("launch", "--nproc-per-node=3", "--config", "examples/cpu_demo.yaml", f"run_dir={tmp_path}", *argv)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", error + "\n")
+
+
+@pytest.mark.multiprocess
+def test_a_user_error_under_torchrun_prints_from_rank_0_only():
+    """Every torchrun worker meets the same config error; one line is enough. 2 processes."""
+    bad = ("train", "algorithm.clip_low=0.2")
+    quiet = _cli(*bad, env={"RANK": "1"})
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (2, "", "")
+    assert _cli(*bad, env={"RANK": "0"}).stderr.splitlines() == [
+        "error: override: 'algorithm.clip_low' was renamed: use 'algorithm.clip.low'"]

@@ -6,6 +6,9 @@ Owns: `RolloutFp8` (rollout.fp8's modes), `ROLLOUT_FP8` (their names), `Fp8Servi
 is refused here, naming model.fp8), and `served_layouts` (the FP8 checkpoint layouts SGLang may
 load for a mode). The run config exposes the plan (`RunConfig.fp8_plan`); the actor, the loop, the
 weight publisher, trainer/rollout_fp8.py and the SGLang settings read it instead of comparing names.
+A mode is a string only in the config (YAML): the config turns it into a `RolloutFp8` once, and
+from there modules pass the enum or the plan; `plan_for`, `served_layouts` and `require_plan` raise
+TypeError naming the expected type when handed a string.
 Recipe names and mode strings are compared here and in fp8/recipe.py only (tests/fp8/test_serving.py
 greps for it).
 Must not import: anything of megatron_fp8rl above fp8/ (models, convert, rollout, trainer, ...).
@@ -94,11 +97,27 @@ class Fp8ServingPlan:
         return "tensor", "static" if self.aligned or activation_scheme == "static" else "dynamic"
 
 
-def served_layouts(rollout_fp8: str, activation_scheme: str) -> tuple[tuple[str, str], ...]:
-    """The (scheme, activation scheme) layouts a checkpoint served in mode `rollout_fp8` may have;
-    () for none. aligned: per-tensor static (a shared-scale trainer recipe) or block dynamic (a
-    row-group recipe's 1 x G weight groups)."""
-    mode = RolloutFp8(rollout_fp8)
+def _require_mode(mode: RolloutFp8, where: str) -> RolloutFp8:
+    if not isinstance(mode, RolloutFp8):
+        raise TypeError(f"{where}: the rollout FP8 mode must be a RolloutFp8 (fp8/serving.py; the config "
+                        f"converts rollout.fp8 once), found {type(mode).__name__} {mode!r}")
+    return mode
+
+
+def require_plan(plan: Fp8ServingPlan, where: str) -> Fp8ServingPlan:
+    """`plan`, once it is an Fp8ServingPlan; TypeError naming `where` and what was passed
+    otherwise (a mode string, the old way, or a bare RolloutFp8)."""
+    if not isinstance(plan, Fp8ServingPlan):
+        raise TypeError(f"{where}: expected an Fp8ServingPlan (fp8/serving.py plan_for; a run's is "
+                        f"RunConfig.fp8_plan), found {type(plan).__name__} {plan!r}")
+    return plan
+
+
+def served_layouts(mode: RolloutFp8, activation_scheme: str) -> tuple[tuple[str, str], ...]:
+    """The (scheme, activation scheme) layouts a checkpoint served in `mode` may have; () for
+    none. aligned: per-tensor static (a shared-scale trainer recipe) or block dynamic (a row-group
+    recipe's 1 x G weight groups)."""
+    _require_mode(mode, "served_layouts")
     if mode is RolloutFp8.NONE:
         return ()
     if mode is RolloutFp8.BLOCKWISE:
@@ -112,14 +131,12 @@ def _promised(trainer_fp8: str) -> RecipePromises:
     return PROMISES.get(trainer_fp8, RecipePromises())
 
 
-@functools.cache
-def plan_for(rollout_fp8: str, trainer_fp8: str) -> Fp8ServingPlan:
-    """The serving plan of rollout mode `rollout_fp8` for trainer recipe `trainer_fp8` (built once
-    per pair). ValueError naming model.fp8 when rollout.fp8=aligned cannot serve the recipe, and
-    naming rollout.fp8 for an unknown mode."""
-    if rollout_fp8 not in ROLLOUT_FP8:
-        raise ValueError(f"rollout.fp8: {rollout_fp8!r} is not one of {ROLLOUT_FP8}")
-    rollout = RolloutFp8(rollout_fp8)
+@functools.lru_cache(maxsize=None, typed=True)  # typed: a str equal to a mode is no cache hit
+def plan_for(rollout: RolloutFp8, trainer_fp8: str) -> Fp8ServingPlan:
+    """The serving plan of rollout mode `rollout` for trainer recipe `trainer_fp8` (built once per
+    pair). ValueError naming model.fp8 when rollout.fp8=aligned cannot serve the recipe; TypeError
+    for a mode that is not a RolloutFp8."""
+    _require_mode(rollout, "plan_for")
     if rollout is not RolloutFp8.ALIGNED:
         return Fp8ServingPlan(rollout, trainer_fp8)
     promised = _promised(trainer_fp8)

@@ -29,11 +29,12 @@ from contextvars import ContextVar
 from typing import Sequence
 
 import torch
+from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.functional import scaled_dot_product_attention
 
-from megatron_fp8rl.compat.versions import check_signature
+from megatron_fp8rl.compat.versions import check_signature, expect, patch
 from megatron_fp8rl.fp8.gemm import tiled_matmul
 from megatron_fp8rl.models.served_arithmetic import single_threaded
 
@@ -155,17 +156,31 @@ def with_sdpa_attention(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
+OUTPUT_LAYER_FORWARD_PARAMS = ("input", "weight", "args", "kwargs")
+"""The parameters of (a bound) ColumnParallelLinear._forward_impl, which serve_output_layer_in_tiles
+replaces on the output layer (megatron-core 0.16.1)."""
+OUTPUT_GEMM_PARAMS = ("input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad",
+                      "sequence_parallel", "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce",
+                      "tp_group")
+"""The parameters of the GEMM _forward_impl delegates to (megatron-core 0.16.1): the keywords
+ColumnParallelLinear.forward passes it."""
+
+
 def serve_output_layer_in_tiles(model: torch.nn.Module) -> None:
     """Inside `sglang_call_layout`, the model's float32 CPU output layer (Megatron's
     ColumnParallelLinear `output_layer`, when this stage has one) computes its logits TILE_ROWS rows
     per GEMM (fp8/gemm.py `tiled_matmul`), as our SGLang plugin's lm_head does
     (served_arithmetic.tile_cpu_lm_head): a row's logits then do not depend on how many rows share
     the call. Under autograd the value is the tiles', the gradient the usual GEMM's. Outside the
-    layout, or for other dtypes and devices, Megatron's own GEMM. In place."""
+    layout, or for other dtypes and devices, Megatron's own GEMM. In place, through
+    compat.versions.patch (UntestedVersionError when the private method or its GEMM drifted)."""
     layer = getattr(model, "output_layer", None)
     if layer is None:
         return
-    original = layer._forward_impl
+    # ColumnParallelLinear.forward passes its GEMM's arguments by keyword; forward_impl reads bias
+    # and sequence_parallel among them, under the names of the GEMM _forward_impl delegates to
+    expect(mcore_layers, "linear_with_grad_accumulation_and_async_allreduce", dist="megatron-core",
+           params=OUTPUT_GEMM_PARAMS)
 
     def forward_impl(input, weight, *args, **kwargs):
         if (_PROMPT_LENGTHS.get() is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
@@ -179,4 +194,4 @@ def serve_output_layer_in_tiles(model: torch.nn.Module) -> None:
             return _ValueOf.apply(original(input, weight, *args, **kwargs), served)
         return served
 
-    layer._forward_impl = forward_impl
+    original = patch(layer, "_forward_impl", forward_impl, dist="megatron-core", params=OUTPUT_LAYER_FORWARD_PARAMS)

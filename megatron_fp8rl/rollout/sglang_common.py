@@ -104,7 +104,7 @@ class SGLangSettings:
         if self.fp8_backend not in FP8_BACKENDS:
             raise ValueError(f"fp8_backend: {self.fp8_backend!r} is not one of {FP8_BACKENDS}")
         try:
-            check_aligned_backend(self.fp8, self.fp8_backend)
+            check_aligned_backend(self.fp8_mode, self.fp8_backend)
         except ValueError as error:
             raise ValueError(f"fp8_backend: {error}") from None
 
@@ -147,13 +147,13 @@ class SGLangConfig(SGLangSettings):
         """The (scheme 'block'|'tensor', activation scheme) layouts the served checkpoint may
         have; () when the rollout is not FP8. aligned: per-tensor static (a shared-scale trainer
         recipe) or block dynamic (a row-group recipe's 1x128 weight groups): fp8/serving.py."""
-        return served_layouts(self.fp8, self.activation_scheme)
+        return served_layouts(self.fp8_mode, self.activation_scheme)
 
 
-def check_aligned_backend(fp8: str, fp8_backend: str) -> None:
+def check_aligned_backend(mode: RolloutFp8, fp8_backend: str) -> None:
     """fp8=aligned is served by our method only; ValueError otherwise (SGLangConfig's check and
     RunConfig's rollout.fp8_backend check)."""
-    if RolloutFp8(fp8) is RolloutFp8.ALIGNED and fp8_backend != "ours":
+    if mode is RolloutFp8.ALIGNED and fp8_backend != "ours":
         raise ValueError(f"fp8=aligned needs fp8_backend='ours', found {fp8_backend!r} (SGLang's native "
                          "kernels do not compute the trainer's FP8 arithmetic)")
 

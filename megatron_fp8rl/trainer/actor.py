@@ -25,7 +25,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron, main_replica_shards
 from megatron_fp8rl.convert.integrity import verify_torch_dist
 from megatron_fp8rl.fp8.quantizer import weights_updated
-from megatron_fp8rl.fp8.serving import plan_for
+from megatron_fp8rl.fp8.serving import Fp8ServingPlan, RolloutFp8, plan_for, require_plan
 from megatron_fp8rl.models.hf import build_conversion_target, build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.models.megatron_attention import sglang_call_layout
 from megatron_fp8rl.models.megatron_fp8_linear import frozen_fp8_scales
@@ -114,19 +114,33 @@ def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, micro_batch_size
     return (torch.cat(per_micro) if per_micro else torch.zeros_like(batch.rollout_logprobs))[:batch.size]
 
 
+def _serving_plan(serving: Fp8ServingPlan | None, trainer_fp8: str) -> Fp8ServingPlan:
+    """`serving`, checked to be an Fp8ServingPlan for this actor's model.fp8 (None: rollout.fp8=none)."""
+    if serving is None:
+        return plan_for(RolloutFp8.NONE, trainer_fp8)
+    require_plan(serving, "MegatronActor(serving=...)")
+    if serving.trainer_fp8 != trainer_fp8:
+        raise ValueError(f"MegatronActor: the serving plan is for model.fp8={serving.trainer_fp8}, this actor's "
+                         f"model.fp8 is {trainer_fp8}")
+    return serving
+
+
 class MegatronActor:
     """The trained policy: a GPTModel chunk in Megatron DDP with its distributed optimizer, in
     `model_cfg.dtype` (bfloat16: Megatron mixed precision, trainer.megatron_step.wrap_ddp)."""
 
     def __init__(self, init_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig,
-                 objective: Objective, fp8_gemm: str = "auto", rollout_fp8: str = "none",
+                 objective: Objective, fp8_gemm: str = "auto", serving: Fp8ServingPlan | None = None,
                  calibration_dir: Path | None = None):
         """`train_cfg`: the optimizer's settings (it is an OptimConfig), mini_batches and
         micro_batch_size; `objective`: the run's, built once; `fp8_gemm`: our FP8 linears' GEMM
-        (fp8.gemm.GEMMS; RunConfig.trainer_fp8_gemm); `rollout_fp8`: rollout.fp8. The rollout
+        (fp8.gemm.GEMMS; RunConfig.trainer_fp8_gemm); `serving`: the FP8 serving plan of
+        (model.fp8, rollout.fp8), RunConfig.fp8_plan (None: rollouts without FP8). The rollout
         engine starts from this actor's own `publisher.publish` (trainer/rollout_start.py), so the FP8
         scales it serves are the ones the actor remembers. `calibration_dir`: where Calibrated
         Clipping records each calibration's values (algorithm.calibration.record), or None."""
+        self.serving = _serving_plan(serving, model_cfg.fp8)
+        """The FP8 serving plan of (model.fp8, rollout.fp8): aligned recomputes run as served."""
         self.hf_config = json.loads((Path(model_cfg.hf_path) / "config.json").read_text())
         check_parallel_layout(self.hf_config, parallel_state.get_tensor_model_parallel_world_size(),
                               parallel_state.get_pipeline_model_parallel_world_size())
@@ -136,10 +150,7 @@ class MegatronActor:
         self.model = wrap_ddp(model, distributed_optimizer=train_cfg.distributed_optimizer)
         self.optimizer = build_optimizer(self.model, train_cfg)
         self.model_cfg, self.train_cfg, self.objective = model_cfg, train_cfg, objective
-        self.rollout_fp8 = rollout_fp8
-        self.serving = plan_for(rollout_fp8, model_cfg.fp8)
-        """The FP8 serving plan of (model.fp8, rollout.fp8): aligned recomputes run as served."""
-        self.publisher = WeightPublisher(self.model, self.hf_config, model_cfg.fp8, rollout_fp8)
+        self.publisher = WeightPublisher(self.model, self.hf_config, self.serving)
         """Where the weights go out: the rollout snapshot, the served FP8 scales (weight_publisher.py)."""
         self.calibrator = (ClipCalibrator(objective.algo, calibration_dir)
                            if objective.algo.calibration.mode != "none" else None)

@@ -566,7 +566,7 @@ class RunConfig:
     def fp8_plan(self) -> Fp8ServingPlan:
         """The FP8 serving plan of (model.fp8, rollout.fp8) (fp8/serving.py; built once per pair):
         what the actor, the loop, the weight publisher and the rollout checkpoint read."""
-        return plan_for(self.rollout.fp8, self.model.fp8)
+        return plan_for(self.rollout.fp8_mode, self.model.fp8)
 
     def __post_init__(self):
         _check(bool(self.model.hf_path), "model.hf_path", "is required (an HF checkpoint folder)")

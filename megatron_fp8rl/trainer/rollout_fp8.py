@@ -48,7 +48,7 @@ from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.fp8.formats import E4M3
 from megatron_fp8rl.fp8.quantize import finite_amax, quantize_with_scale_inv
 from megatron_fp8rl.fp8.recipe import Fp8Recipe, recipe_by_name
-from megatron_fp8rl.fp8.serving import Fp8ServingPlan, plan_for
+from megatron_fp8rl.fp8.serving import Fp8ServingPlan, require_plan
 from megatron_fp8rl.models.family import ModelFamily
 from megatron_fp8rl.models.registry import family_for, weight_linear
 from megatron_fp8rl.rollout.weights import unshared
@@ -77,13 +77,13 @@ def _megatron_linear(family: ModelFamily, module: str) -> tuple[int, str]:
     return layer, linear.megatron
 
 
-def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, activation_scheme: str,
-                               trainer_fp8: str, calibration_prompts: list[str],
-                               recipe: Fp8Recipe | None = None) -> Path:
-    """The checkpoint the rollout engine starts from: `hf_path` itself for rollout.fp8=none,
-    else an FP8 export of it at `output` (static input bounds calibrated on the prompts; aligned:
-    with the margin of `recipe`, the trainer's, by default the `trainer_fp8` recipe's defaults)."""
-    plan = plan_for(rollout_fp8, trainer_fp8)
+def prepare_rollout_checkpoint(hf_path: Path, output: Path, plan: Fp8ServingPlan, activation_scheme: str,
+                               calibration_prompts: list[str], recipe: Fp8Recipe | None = None) -> Path:
+    """The checkpoint the rollout engine starts from under `plan`: `hf_path` itself for
+    rollout.fp8=none, else an FP8 export of it at `output` (static input bounds calibrated on the
+    prompts; aligned: with the margin of `recipe`, the trainer's, by default the defaults of the
+    plan's trainer recipe)."""
+    require_plan(plan, "prepare_rollout_checkpoint")
     if not plan.fp8:
         return Path(hf_path)
     options = export_options(plan, activation_scheme)
@@ -91,7 +91,7 @@ def prepare_rollout_checkpoint(hf_path: Path, output: Path, rollout_fp8: str, ac
     if options.activation_scheme == "static":
         bounds = calibrate_input_bounds(Path(hf_path), calibration_prompts)
         if plan.aligned:
-            bounds = _recipe_bounds(Path(hf_path), bounds, (recipe or recipe_by_name(trainer_fp8)).margin)
+            bounds = _recipe_bounds(Path(hf_path), bounds, (recipe or recipe_by_name(plan.trainer_fp8)).margin)
         options = export_options(plan, activation_scheme, bounds)
     export_fp8(Path(hf_path), Path(output), options, overwrite=True, progress=False)
     return Path(output)
@@ -145,24 +145,29 @@ def served_scales(fp8_dir: Path) -> Scales:
     return scales
 
 
-def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, rollout_fp8: str,
-                    scales: Scales | None = None, trainer_fp8: str = "",
+def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, plan: Fp8ServingPlan,
+                    scales: Scales | None = None,
                     input_bounds: dict[str, dict[str, float]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF tensors a weight sync sends for rollout mode `rollout_fp8`: high-precision as is
-    (none), quantized like the exporter (blockwise, per_tensor: weight and weight scale, plus the
+    """The HF tensors a weight sync sends under `plan`: high-precision as is (rollout.fp8=none),
+    quantized like the exporter (blockwise, per_tensor: weight and weight scale, plus the
     static input scale of `input_bounds` when given, as the start checkpoint of a static
-    per_tensor engine needs, which later syncs keep; aligned with a row-group `trainer_fp8`:
+    per_tensor engine needs, which later syncs keep; aligned with a row-group trainer recipe:
     weight and its 1x128 group scales), or quantized with the trainer's `scales` (aligned with a
     shared-scale recipe: weight, weight_scale and input_scale of every HF linear). Which tensors
     are decoder linears comes from the model families' tables (models.registry.weight_linear): a
     name no family knows raises UnsupportedModelError before anything is sent."""
-    plan = plan_for(rollout_fp8, trainer_fp8)
+    require_plan(plan, "rollout_tensors")  # before the generator's first item: at the call
+    return _rollout_tensors(named, num_layers, plan, scales, input_bounds)
+
+
+def _rollout_tensors(named, num_layers, plan, scales, input_bounds):
+    """rollout_tensors' stream (a generator: it runs as it is iterated)."""
     if not plan.fp8:
         yield from named
         return
     options = export_options(plan, "static" if input_bounds else "dynamic", input_bounds)
     if plan.shares_scales and scales is None:
-        raise ValueError(f"aligned rollouts of trainer recipe {trainer_fp8!r} send the trainer's scales: none given")
+        raise ValueError(f"aligned rollouts of trainer recipe {plan.trainer_fp8!r} send the trainer's scales: none given")
     for name, tensor in named:
         module = quantized_module(name, num_layers, options, weight_linear)
         if module is None or scales is None:
@@ -177,15 +182,14 @@ def rollout_tensors(named: Iterable[tuple[str, torch.Tensor]], num_layers: int, 
 
 
 def write_rollout_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], hf_path: Path, output: Path,
-                             rollout_fp8: str, activation_scheme: str, trainer_fp8: str,
-                             shard_bytes: int = 1 << 30) -> Path:
+                             plan: Fp8ServingPlan, activation_scheme: str, shard_bytes: int = 1 << 30) -> Path:
     """Global rank 0: the checkpoint the rollout engine starts from, written from the actor's own
     stream (`WeightPublisher.publish`, the tensors every sync sends) at `output`:
     safetensors shards of about `shard_bytes` with an index, the HF side files of `hf_path`, and
-    config.json with the `quantization_config` of `rollout_fp8` (trainer/config.py). Written to a
+    config.json with the `quantization_config` of `plan` (RunConfig.fp8_plan). Written to a
     temporary folder and renamed at the end (convert.outputs.atomic_output); one shard in memory."""
+    options = export_options(require_plan(plan, "write_rollout_checkpoint"), activation_scheme)
     hf = json.loads((Path(hf_path) / "config.json").read_text())
-    options = export_options(plan_for(rollout_fp8, trainer_fp8), activation_scheme)
     with atomic_output(Path(output), overwrite=True) as tmp:
         weight_map, shard, size, total = {}, [], 0, 0
 

@@ -44,6 +44,6 @@ def write_rollout_start(cfg: RunConfig, actor: MegatronActor, tokenizer,
         bounds = calibration_forward(actor, prompts)
     actor.publisher.publish(
         lambda tensors: write_rollout_checkpoint(tensors, Path(cfg.model.hf_path), rollout_model_path(cfg),
-                                                 rollout.fp8, rollout.activation_scheme, cfg.model.fp8),
+                                                 cfg.fp8_plan, rollout.activation_scheme),
         bounds if cfg.fp8_plan.static_per_tensor(rollout.activation_scheme) else None)
     dist.barrier()

@@ -124,7 +124,7 @@ def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRe
     with timed(timings, "setup_actor"):
         actor = MegatronActor(run_dir / "init_megatron", cfg.model, cfg.train,
                               Objective(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.trainer_fp8_gemm,
-                              rollout_fp8=cfg.rollout.fp8,
+                              serving=cfg.fp8_plan,
                               calibration_dir=run_dir / "calibration" if cfg.algorithm.calibration.record else None)
     reference = None
     if cfg.algorithm.kl.enabled:  # off: no reference model is built

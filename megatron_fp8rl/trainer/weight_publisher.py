@@ -32,7 +32,7 @@ from megatron_fp8rl.convert.megatron_to_hf import (
 )
 from megatron_fp8rl.models.megatron_fp8_linear import shared_fp8_scales
 from megatron_fp8rl.rollout.weights import WeightSnapshot
-from megatron_fp8rl.fp8.serving import plan_for
+from megatron_fp8rl.fp8.serving import Fp8ServingPlan, require_plan
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
 
 Scales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -82,12 +82,11 @@ class _GatherPlan:
 class WeightPublisher:
     """The actor's weights on their way out: `model` is the actor's DDP-wrapped GPTModel chunk."""
 
-    def __init__(self, model: torch.nn.Module, hf_config: dict, trainer_fp8: str, rollout_fp8: str):
-        """`trainer_fp8`: model.fp8; `rollout_fp8`: rollout.fp8."""
+    def __init__(self, model: torch.nn.Module, hf_config: dict, serving: Fp8ServingPlan):
+        """`serving`: the FP8 serving plan of (model.fp8, rollout.fp8), RunConfig.fp8_plan."""
         self.model, self.hf_config = model, hf_config
-        self.trainer_fp8, self.rollout_fp8 = trainer_fp8, rollout_fp8
-        self.serving = plan_for(rollout_fp8, trainer_fp8)
-        """The pair's FP8 serving plan (fp8/serving.py): whether scales are shared."""
+        self.serving = require_plan(serving, "WeightPublisher")
+        """The pair's FP8 serving plan (fp8/serving.py): what is sent, whether scales are shared."""
         self._served: Scales | None = None
         """Shared-scale aligned FP8 rollouts: the scales the engine serves now (`served_scales`)."""
 
@@ -121,8 +120,7 @@ class WeightPublisher:
         self._served = self.aligned_scales() if self.serving.shares_scales else None
         plan = self._gather_plan()
         convert = partial(rollout_tensors, num_layers=int(self.hf_config["num_hidden_layers"]),
-                          rollout_fp8=self.rollout_fp8, scales=self._served, trainer_fp8=self.trainer_fp8,
-                          input_bounds=input_bounds)
+                          plan=self.serving, scales=self._served, input_bounds=input_bounds)
         tensors = _on(convert(self._gathered(plan)), self.device())
         if dist.get_rank() == 0:
             # the same conversion on meta tensors: the layout, known before any tensor is made

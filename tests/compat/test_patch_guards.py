@@ -18,6 +18,13 @@ OWN_SETATTR = {
     ("megatron_fp8rl/data/rewards.py", "setattr(stats, field, getattr(stats, field) + 1)"),
 }
 """setattr calls on our own objects (file, source): a counter of our own dataclass."""
+OWN_PRIVATE = {
+    ("megatron_fp8rl/fp8/device_quantize.py", "q._device_bound_scale"),
+    ("megatron_fp8rl/fp8/device_quantize.py", "q._device_scales"),
+    ("megatron_fp8rl/fp8/device_quantize.py", "quantizer._device_weight_cache"),
+}
+"""Private attributes set on our own objects from outside their class (file, target): the device
+caches the GPU path keeps on fp8/quantizer.py's quantizers."""
 MUTATORS = {"append", "extend", "insert", "update", "setdefault", "add", "pop", "remove", "clear"}
 
 
@@ -38,13 +45,34 @@ def _root(node: ast.AST) -> ast.AST:
     return node
 
 
+def _reaches_a_class(target: ast.AST) -> bool:
+    """Whether an attribute target sits on a class reached through an attribute chain, whatever
+    the chain's root: `x.__class__.attr`, `type(x).attr`, `module.Class.attr` (a capitalized step)."""
+    if not isinstance(target, ast.Attribute):
+        return False
+    node = target.value
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute) and (node.attr == "__class__" or node.attr[:1].isupper()):
+            return True
+        node = node.value
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type"
+
+
+def _replaces_a_private_attribute(target: ast.AST) -> bool:
+    """`obj._name = ...` on an object other than self or cls: another object's private attribute
+    (`layer._forward_impl = f` replaced a Megatron method on one instance)."""
+    return (isinstance(target, ast.Attribute) and target.attr.startswith("_") and not target.attr.endswith("__")
+            and not (isinstance(target.value, ast.Name) and target.value.id in ("self", "cls")))
+
+
 def unguarded_patches(path: Path, source: str) -> list[str]:
     """`file:line: code` of each place `source` changes another library's state without
     compat/versions: a setattr (outside OWN_SETATTR), an attribute or item assigned on an imported
-    name, a mutating method called on an imported name's attribute."""
+    name or on a class reached through an attribute chain, a private attribute assigned on another
+    object, a mutating method called on an imported name's attribute."""
     tree = ast.parse(source)
     foreign = _foreign_names(tree)
-    rel = path.relative_to(REPO).as_posix() if path.is_absolute() else path.as_posix()
+    rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.as_posix()
     found = []
 
     def flag(node, code):
@@ -58,7 +86,9 @@ def unguarded_patches(path: Path, source: str) -> list[str]:
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             for target in targets:
                 base = _root(target)
-                if target is not base and isinstance(base, ast.Name) and base.id in foreign:
+                private = _replaces_a_private_attribute(target) and (rel, ast.unparse(target)) not in OWN_PRIVATE
+                if ((target is not base and isinstance(base, ast.Name) and base.id in foreign)
+                        or _reaches_a_class(target) or private):
                     flag(node, ast.unparse(target))
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
               and isinstance(node.func.value, (ast.Attribute, ast.Subscript))):
@@ -82,14 +112,46 @@ def test_no_package_module_patches_another_library_past_the_guard():
     "from megatron.core import fp8_utils\nsetattr(fp8_utils, 'get_fp8_recipe', None)",
     "from torch.distributed.checkpoint import FileSystemReader\nFileSystemReader.read_metadata = None",
     "def f():\n    from megatron.core import fp8_utils\n    del fp8_utils.get_fp8_recipe",
+    "def f(model, impl):\n    model.output_layer.__class__.forward = impl",
+    "def f(x):\n    type(x).forward = None",
+    "import megatron_fp8rl.models.gpt as gpt\ngpt.layers.ColumnParallelLinear.forward = None",
+    "def f(model, impl):\n    layer = getattr(model, 'output_layer')\n    layer._forward_impl = impl",
 ])
 def test_the_scan_finds_each_kind_of_unguarded_patch(code):
     assert len(unguarded_patches(Path("m.py"), code)) == 1
 
 
+def test_the_scan_finds_the_output_layer_patch_as_it_was_made(tmp_path):
+    """megatron_attention.py replaced ColumnParallelLinear._forward_impl on the output layer with a
+    plain assignment; the scan, which followed only imported names, did not see it."""
+    source = (REPO / "megatron_fp8rl/models/megatron_attention.py").read_text()
+    guarded = ('    original = patch(layer, "_forward_impl", forward_impl, dist="megatron-core", '
+               'params=OUTPUT_LAYER_FORWARD_PARAMS)\n')
+    assert guarded in source
+    planted = tmp_path / "megatron_attention.py"
+    planted.write_text(source.replace(guarded, "    original = layer._forward_impl\n    layer._forward_impl = forward_impl\n"))
+    assert [hit.split(": ", 1)[1] for hit in unguarded_patches(planted, planted.read_text())] == ["layer._forward_impl"]
+
+
+def test_the_output_layer_patch_refuses_a_drifted_forward_impl():
+    from types import SimpleNamespace
+
+    from megatron_fp8rl.models.megatron_attention import serve_output_layer_in_tiles
+
+    def drifted(input, weight, bias):
+        return None
+
+    layer = SimpleNamespace(_forward_impl=drifted)
+    with pytest.raises(UntestedVersionError, match=r"SimpleNamespace instance._forward_impl: its parameters are "
+                                                   r"\('input', 'weight', 'bias'\)"):
+        serve_output_layer_in_tiles(SimpleNamespace(output_layer=layer))
+    assert layer._forward_impl is drifted
+
+
 def test_the_scan_leaves_our_own_objects_and_guarded_patches_alone():
     code = ("import torch\nfrom megatron_fp8rl.compat.versions import patch\n"
-            "def f(x):\n    x.y = 1\n    f.marker = True\n    patch(torch.cuda, 'synchronize', None, dist='torch')\n")
+            "def f(x):\n    x.y = 1\n    f.marker = True\n    patch(torch.cuda, 'synchronize', None, dist='torch')\n"
+            "class C:\n    def g(self):\n        self._cache = 1\n        self.inner.value = 2\n        f.__doc__ = ''\n")
     assert unguarded_patches(Path("m.py"), code) == []
 
 

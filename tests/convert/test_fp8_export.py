@@ -153,11 +153,13 @@ def test_groupwise_aligned_checkpoint_and_sync_hold_the_trainers_1x128_groups(hf
     same), and the config shows SGLang 1x128 blocks with dynamic activation groups."""
     from megatron_fp8rl.fp8.quantizer import make_quantizers
     from megatron_fp8rl.fp8.recipe import groupwise
+    from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
     from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors
 
-    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "served", "aligned", "dynamic", "groupwise", [])
+    plan = plan_for(RolloutFp8.ALIGNED, "groupwise")
+    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "served", plan, "dynamic", [])
     original, exported = load_file(hf_dir / "model.safetensors"), load_file(served / "model.safetensors")
-    synced = dict(rollout_tensors(original.items(), 3, "aligned", None, "groupwise"))
+    synced = dict(rollout_tensors(original.items(), 3, plan))
     assert synced.keys() == exported.keys()
     quantizer = make_quantizers(groupwise()).weight
     for scale_name in [n for n in exported if n.endswith("weight_scale_inv")]:

@@ -45,6 +45,7 @@ def test_the_modes_are_the_config_strings():
 @pytest.mark.parametrize("trainer", TRAINER_FP8)
 @pytest.mark.parametrize("mode", ["none", "blockwise", "per_tensor"])
 def test_non_aligned_modes_serve_their_own_quantization_for_any_recipe(trainer, mode):
+    mode = RolloutFp8(mode)
     plan = plan_for(mode, trainer)
     assert (plan.rollout, plan.trainer_fp8, plan.shares_scales, plan.row_group) == (mode, trainer, False, None)
     assert (plan.fp8, plan.aligned, plan.trainer_gemm) == (mode != "none", False, "auto")
@@ -67,7 +68,7 @@ def test_aligned_serves_what_the_recipe_promises_or_is_refused_naming_model_fp8(
         message = ("model.fp8: rollout.fp8=aligned serves the trainer's own FP8 quantization: model.fp8 must be "
                    f"one of {ALIGNED_NAMES}, {expected}")
         with pytest.raises(ValueError) as error:
-            plan_for("aligned", trainer)
+            plan_for(RolloutFp8.ALIGNED, trainer)
         assert str(error.value) == message
         if trainer != "none":  # the run config refuses the pair with the same message
             with pytest.raises(ValueError) as error:
@@ -75,22 +76,45 @@ def test_aligned_serves_what_the_recipe_promises_or_is_refused_naming_model_fp8(
             assert str(error.value) == message
         return
     shares, group, layout = expected
-    plan = plan_for("aligned", trainer)
+    plan = plan_for(RolloutFp8.ALIGNED, trainer)
     assert (plan.fp8, plan.aligned, plan.shares_scales, plan.row_group) == (True, True, shares, group)
     assert plan.trainer_gemm == "batch_invariant"
     assert plan.needs_calibration("dynamic") == plan.needs_calibration("static") == shares
     assert not plan.static_per_tensor("static")
     for scheme in ("dynamic", "static"):
-        assert plan.layout(scheme) == layout and layout in served_layouts("aligned", scheme)
+        assert plan.layout(scheme) == layout and layout in served_layouts(RolloutFp8.ALIGNED, scheme)
 
 
 def test_the_run_config_holds_the_plan_of_its_pair_built_once():
     cfg = RunConfig(model=ModelConfig(hf_path="x", fp8="groupwise32"), rollout=RolloutConfig(fp8="aligned"))
     assert cfg.fp8_plan == Fp8ServingPlan(RolloutFp8.ALIGNED, "groupwise32", False, 32)
-    assert cfg.fp8_plan is cfg.fp8_plan is plan_for("aligned", "groupwise32")
+    assert cfg.fp8_plan is cfg.fp8_plan is plan_for(RolloutFp8.ALIGNED, "groupwise32")
     assert cfg.trainer_fp8_gemm == "batch_invariant"
     with pytest.raises(ValueError, match=r"rollout.fp8: 'fp16' is not one of \('none', 'blockwise'"):
-        plan_for("fp16", "none")
+        RunConfig(model=ModelConfig(hf_path="x"), rollout=RolloutConfig(fp8="fp16"))
+
+
+def test_a_mode_string_passed_between_modules_is_refused_naming_the_type():
+    """Strings only at the config: a module handed 'aligned' (equal to RolloutFp8.ALIGNED as a
+    str) instead of the enum or the plan raises at the call, even after the enum's plan is cached."""
+    from megatron_fp8rl.fp8.serving import require_plan
+    from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors, write_rollout_checkpoint
+    from megatron_fp8rl.trainer.weight_publisher import WeightPublisher
+
+    plan_for(RolloutFp8.ALIGNED, "groupwise")
+    mode_error = r"plan_for: the rollout FP8 mode must be a RolloutFp8 \(fp8/serving.py; .*found str 'aligned'"
+    with pytest.raises(TypeError, match=mode_error):
+        plan_for("aligned", "groupwise")
+    with pytest.raises(TypeError, match=r"served_layouts: the rollout FP8 mode must be a RolloutFp8 .*found str"):
+        served_layouts("per_tensor", "static")
+    plan_error = r"expected an Fp8ServingPlan \(fp8/serving.py plan_for; a run's is RunConfig.fp8_plan\), found "
+    with pytest.raises(TypeError, match="rollout_tensors: " + plan_error + "str 'per_tensor'"):
+        rollout_tensors([], 2, "per_tensor")
+    with pytest.raises(TypeError, match="write_rollout_checkpoint: " + plan_error + "RolloutFp8"):
+        write_rollout_checkpoint([], Path("hf"), Path("out"), RolloutFp8.PER_TENSOR, "static")
+    with pytest.raises(TypeError, match="WeightPublisher: " + plan_error + "str 'none'"):
+        WeightPublisher(None, {}, "none")
+    assert require_plan(plan_for(RolloutFp8.NONE, "none"), "here").rollout is RolloutFp8.NONE
 
 
 # --- no recipe name or rollout mode compared as a string outside the contract's home -------------

@@ -191,3 +191,24 @@ def test_the_aligned_calls_run_single_threaded_on_both_sides(megatron_tp1):
     finally:
         torch.set_num_threads(saved)
     assert len(seen) > 10 and set(seen) == {1}, seen
+
+
+def test_the_output_layer_computes_served_tiles_inside_the_layout_only(megatron_tp1):
+    """Megatron's real ColumnParallelLinear.forward reaches the patched _forward_impl with the
+    keywords it reads: inside the layout the logits are the tiles' bits carrying the GEMM's
+    gradient (_ValueOf), outside they are Megatron's own GEMM's."""
+    from megatron_fp8rl.fp8.linear import tiled_matmul
+    from megatron_fp8rl.models.hf import build_model_from_hf
+    from tests.helpers.tiny_hf import tiny_hf_config
+
+    model = build_model_from_hf(tiny_hf_config("llama").to_dict())
+    layer, weight = model.output_layer, model.shared_embedding_or_output_weight()  # tied or not
+    hidden = torch.randn(7, 3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        served = tiled_matmul(hidden.reshape(-1, hidden.shape[-1]), weight).reshape(7, 3, -1)
+    with sglang_call_layout([7, 7, 7]):
+        inside = layer(hidden, weight=weight)[0]
+    outside = layer(hidden, weight=weight)[0]
+    assert torch.equal(inside, served) and type(inside.grad_fn).__name__ == "_ValueOfBackward"
+    assert type(outside.grad_fn).__name__ != "_ValueOfBackward"
+    torch.testing.assert_close(outside, served, atol=1e-5, rtol=0)

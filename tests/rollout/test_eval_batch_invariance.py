@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 
 from megatron_fp8rl.rollout.engine import SamplingParams
+from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
 from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint
 from tests.helpers.rollout import needs_sglang, sglang_config
 
@@ -32,7 +33,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 def _served(hf_dir, out, texts):
     """The demo's start checkpoint for the rollout: aligned FP8 of the groupwise recipe."""
-    return prepare_rollout_checkpoint(hf_dir, out, "aligned", "dynamic", "groupwise", texts)
+    return prepare_rollout_checkpoint(hf_dir, out, plan_for(RolloutFp8.ALIGNED, "groupwise"), "dynamic", texts)
 
 
 def _greedy(engine, prompts):

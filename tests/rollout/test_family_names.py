@@ -18,6 +18,7 @@ from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.convert.safetensors_io import CheckpointError
 from megatron_fp8rl.models.family import UnsupportedModelError
 from megatron_fp8rl.models.hf import build_model_from_hf
+from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
 from tests.helpers.rollout import needs_sglang
 from tests.helpers.tiny_hf import save_tiny_hf, tiny_hf_config
@@ -52,7 +53,7 @@ def test_names_missing_from_the_family_table_are_refused_everywhere(tmp_path, me
         export_fp8(hf_dir, tmp_path / "fp8", Fp8ExportOptions(), progress=False)
     with pytest.raises(UnsupportedModelError, match=rf"HF tensor {FUSED} is in no model "
                                                     r"family's name table \(llama, qwen2, qwen3"):
-        list(rollout_tensors(tensors.items(), 2, "per_tensor"))
+        list(rollout_tensors(tensors.items(), 2, plan_for(RolloutFp8.PER_TENSOR, "none")))
     assert not (tmp_path / "mcore").exists() and not (tmp_path / "fp8").exists()
 
     plugin, linear = _sglang_plugin()

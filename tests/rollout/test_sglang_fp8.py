@@ -14,6 +14,7 @@ from megatron_fp8rl.convert.fp8_calibration import calibrate_input_bounds
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.rollout.engine import SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.weight_transfer import buckets
+from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
 from tests.helpers.fp8_reference import apply_fp8
 from tests.helpers.hf_reference import load_state_dict, token_logprobs
@@ -106,7 +107,7 @@ def test_quantized_weight_sync_is_served(dynamic_engine, tiny_dirs):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     before = engine.generate(PROMPTS, greedy)
     new_weights = random_state_dict(tiny_dirs["qwen3"], seed=11)
-    sent = dict(rollout_tensors(new_weights.items(), num_layers=2, rollout_fp8="per_tensor"))
+    sent = dict(rollout_tensors(new_weights.items(), num_layers=2, plan=plan_for(RolloutFp8.PER_TENSOR, "none")))
     assert sent["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert len(buckets(sent.items(), engine.bucket_bytes)) > 3
     engine.update_weights(sent.items(), version=3)

@@ -25,6 +25,7 @@ from megatron_fp8rl.models.hf import build_model_from_hf
 from megatron_fp8rl.models.megatron_attention import sglang_call_layout
 from megatron_fp8rl.models.megatron_fp8_linear import frozen_fp8_scales, shared_fp8_scales
 from megatron_fp8rl.rollout.engine import SamplingParams
+from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
 from megatron_fp8rl.trainer.rollout_fp8 import prepare_rollout_checkpoint, rollout_tensors, served_scales
 from tests.helpers.rollout import needs_sglang, sglang_config
 
@@ -96,7 +97,8 @@ def test_aligned_rollout_equals_fp8_trainer(megatron_tp1, tiny_dirs, tmp_path, f
     hf_dir = tiny_dirs[family]
     model = _megatron(hf_dir, tmp_path, CalibratedDelayedScaling())
     prompts = [" ".join(f"w{t}" for t in p) for p in PROMPTS]
-    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "rollout", "aligned", "static", "calibrated", prompts)
+    plan = plan_for(RolloutFp8.ALIGNED, "calibrated")
+    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "rollout", plan, "static", prompts)
     engine = _generate(served, "aligned")
     try:
         at_start = _mismatch(engine.generate(PROMPTS, SAMPLING, n=3), model, served_scales(served))
@@ -110,7 +112,7 @@ def test_aligned_rollout_equals_fp8_trainer(megatron_tp1, tiny_dirs, tmp_path, f
                     param.mul_(WEIGHT_CHANGE)
             _trainer_logprobs(model, engine.generate(PROMPTS[:1], SAMPLING)[0])  # a training forward
         scales = shared_fp8_scales(model)
-        engine.update_weights(rollout_tensors(new_hf.items(), 2, "aligned", scales, "calibrated"), version=1)
+        engine.update_weights(rollout_tensors(new_hf.items(), 2, plan, scales), version=1)
         after_sync = _mismatch(engine.generate(PROMPTS, SAMPLING, n=3), model, scales)
         # Without frozen scales the trainer's own recipe drifts from what the rollout served.
         unfrozen = _mismatch(engine.generate(PROMPTS, SAMPLING, n=3), model)
@@ -160,7 +162,7 @@ def test_aligned_smollm2_rollout_equals_fp8_trainer(megatron_tp1, tmp_path, reci
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     prompts = [prompt_token_ids(r, tokenizer) for r in arithmetic_records("eval", 4, seed=1)]
     model = _megatron(hf_dir, tmp_path, recipe_by_name(recipe))
-    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "rollout", "aligned", "static", recipe,
+    served = prepare_rollout_checkpoint(hf_dir, tmp_path / "rollout", plan_for(RolloutFp8.ALIGNED, recipe), "static",
                                         [tokenizer.decode(p) for p in prompts])
     engine = _generate(served, "aligned", max_total_tokens=4096)
     try:

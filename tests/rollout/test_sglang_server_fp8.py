@@ -14,6 +14,7 @@ from megatron_fp8rl.compat import sglang_cpu
 from megatron_fp8rl.convert.fp8_export import Fp8ExportOptions, export_fp8
 from megatron_fp8rl.rollout.engine import RolloutEngineError, SamplingParams, WeightUpdateError
 from megatron_fp8rl.rollout.weight_transfer import buckets, flatten_bucket
+from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
 from megatron_fp8rl.trainer.rollout_fp8 import rollout_tensors
 from tests.helpers.fp8_reference import apply_fp8
 from tests.helpers.hf_reference import load_state_dict, token_logprobs
@@ -63,7 +64,7 @@ def fp8_server(tiny_dirs, tmp_path_factory):
 def _fp8_sync(tiny_dirs, seed: int) -> tuple[dict, dict]:
     """New high-precision weights and the FP8 tensors a rollout.fp8=per_tensor sync sends for them."""
     weights = random_state_dict(tiny_dirs["qwen3"], seed=seed)
-    return weights, dict(rollout_tensors(weights.items(), num_layers=2, rollout_fp8="per_tensor"))
+    return weights, dict(rollout_tensors(weights.items(), num_layers=2, plan=plan_for(RolloutFp8.PER_TENSOR, "none")))
 
 
 def _check_served(server, tiny_dirs, weights: dict, sent: dict, version: int) -> None:

@@ -3,6 +3,7 @@
 checkpoint the rollout engine starts from, made by the actor: aligned scales carry the configured
 recipe's margin, static per-tensor input scales the actor's own input maxima. One process
 (gloo), a tiny random Llama."""
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
@@ -57,7 +58,7 @@ def _start_checkpoint(model, run_dir, overrides):
     cfg = load_config(RunConfig, None, [f"model.hf_path={model}", f"run_dir={run_dir}", "data.train_size=16",
                                         *overrides])
     actor = MegatronActor(convert_initial_checkpoint(model, run_dir / "init"), cfg.model, cfg.train,
-                          Objective(cfg.algorithm, max_response_length=8), rollout_fp8=cfg.rollout.fp8)
+                          Objective(cfg.algorithm, max_response_length=8), serving=cfg.fp8_plan)
     write_rollout_start(cfg, actor, AutoTokenizer.from_pretrained(model), training_records(cfg))
     return actor, rollout_model_path(cfg)
 
@@ -108,3 +109,18 @@ def test_static_per_tensor_start_checkpoint_takes_the_actors_input_maxima(megatr
     assert sorted(scales) == sorted(f"{name}.input_scale" for name in maxima) and len(scales) == 2 * 7
     for name, bound in maxima.items():
         torch.testing.assert_close(scales[f"{name}.input_scale"], torch.tensor(bound / 448), rtol=1e-5, atol=0)
+
+
+def test_the_actor_takes_a_serving_plan_for_its_own_recipe(tmp_path):
+    """Refused before any file is read or model built: a mode string (the old `rollout_fp8`
+    argument), and a plan made for another model.fp8."""
+    from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
+    from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
+
+    objective = Objective(AlgorithmConfig(), max_response_length=8)
+    model_cfg = ModelConfig(hf_path=str(tmp_path / "absent"), fp8="calibrated")
+    with pytest.raises(TypeError, match=r"MegatronActor\(serving=...\): expected an Fp8ServingPlan .* found str 'aligned'"):
+        MegatronActor(tmp_path / "init", model_cfg, TrainConfig(), objective, serving="aligned")
+    with pytest.raises(ValueError, match="the serving plan is for model.fp8=groupwise, this actor's model.fp8 is calibrated"):
+        MegatronActor(tmp_path / "init", model_cfg, TrainConfig(), objective,
+                      serving=plan_for(RolloutFp8.ALIGNED, "groupwise"))

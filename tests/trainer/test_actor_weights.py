@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
+from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
 from megatron_fp8rl.models.hf import build_conversion_target
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.fp8_observation import calibration_forward
@@ -76,7 +77,8 @@ def test_rollout_snapshot_layout_is_what_its_stream_makes(megatron_tp1, converte
     tensors) is, entry for entry, what the gathered and quantized stream then makes."""
     model, init = converted
     actor = MegatronActor(init, ModelConfig(hf_path=str(model), fp8=fp8), TrainConfig(),
-                          Objective(AlgorithmConfig(), max_response_length=8), rollout_fp8=rollout_fp8)
+                          Objective(AlgorithmConfig(), max_response_length=8),
+                          serving=plan_for(RolloutFp8(rollout_fp8), fp8))
     bounds = calibration_forward(actor, [[3, 4, 5, 6]])  # the recipe's input bounds (aligned's scales)
     seen = {}
 
