@@ -123,7 +123,7 @@ def compile_sm90(group: int, sb_rows: int, n: int = 4096, k: int = 4096):
     from megatron_fp8rl.fp8 import triton_gemm
 
     kernel = triton_gemm._wrapped(False)
-    tile, launch = triton_gemm.TILE, triton_gemm.LAUNCH
+    tile, launch = triton_gemm.kernel_config(group or None)
     scale_stride = math.ceil(k / group) if group else 0
     ints = dict(M=None, N=n, K=k, stride_am=k, stride_bn=k, stride_ym=n, stride_sam=scale_stride,
                 stride_sbn=scale_stride)
@@ -189,16 +189,18 @@ def audit_table() -> str:
     from megatron_fp8rl.fp8 import triton_gemm
 
     lines = [f"PROMOTE_K {triton_gemm.PROMOTE_K}; compiled as a bf16-out launch at N = K = 4096", "",
-             "| scales | tile (M x N x K), warps, stages | registers | spill stores / loads (B) | shared (B) | CTAs/SM | wgmma (SASS) | "
-             "WARPGROUP.DEPBAR | ptxas notes | FP32 add/mul/fma in flight / all |",
+             "| scales | tile (M x N x K), warps, stages | registers | spill stores / loads (B) | shared (B) | "
+             "CTAs/SM | wgmma (SASS) | WARPGROUP.DEPBAR | ptxas notes | FP32 add/mul/fma in flight / all |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, (group, sb_rows) in AUDIT_VARIANTS.items():
         row = audit_variant(group, sb_rows)
-        tile, launch = triton_gemm.TILE, triton_gemm.LAUNCH
-        config = f"{tile['BLOCK_M']}x{tile['BLOCK_N']}x{tile['BLOCK_K']}, {launch['num_warps']}, {launch['num_stages']}"
-        lines.append(f"| {name} | {config} | {row['registers']} | {row['spill_stores']} / {row['spill_loads']} | {row['shared']} | "
-                     f"{row['ctas_per_sm']} | {row['wgmma']} | {row['depbar']} | {', '.join(row['ptxas_notes']) or '-'} | "
-                     f"{row['fp_in_flight']} / {row['fp_total']} |")
+        tile, launch = triton_gemm.kernel_config(group or None)
+        config = (f"{tile['BLOCK_M']}x{tile['BLOCK_N']}x{tile['BLOCK_K']}, {launch['num_warps']}, "
+                  f"{launch['num_stages']}")
+        cells = [name, config, row["registers"], f"{row['spill_stores']} / {row['spill_loads']}", row["shared"],
+                 row["ctas_per_sm"], row["wgmma"], row["depbar"], ", ".join(row["ptxas_notes"]) or "-",
+                 f"{row['fp_in_flight']} / {row['fp_total']}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
