@@ -99,8 +99,9 @@ def _row_tree_sums(a, b):
 
 
 def _tile_product(a, b, ROW_SUMS: tl.constexpr, PROMOTE: tl.constexpr):
-    """a @ b in fp32, a [BM, BK] and b [BK, BN] FP8 tiles, not yet added to the accumulator (the
-    kernel promotes it one step later): the kernel's only code that differs between GPU and CPU.
+    """a @ b in fp32, a [BM, BK] and b [BK, BN] FP8 tiles, to be added to the kernel's accumulator
+    (per tensor one K step later, scaled at once with groups): the kernel's only code that differs
+    between GPU and CPU.
 
     GPU (ROW_SUMS False): `tl.dot`, the FP8 tensor cores (wgmma), BK = PROMOTE K elements summed
     in the MMA's own accumulator from zero; the kernel adds the result to its fp32 accumulator.
@@ -177,6 +178,7 @@ def _with_globals(fn: types.FunctionType, scope: dict) -> types.FunctionType:
     """A copy of `fn` (same code, so the same source for triton) that resolves names in `scope`."""
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__doc__, copy.__qualname__, copy.__module__ = fn.__doc__, fn.__qualname__, fn.__module__
+    copy.__annotations__ = fn.__annotations__  # which parameters are tl.constexpr
     return copy
 
 
