@@ -19,12 +19,12 @@ float casts truncate, so a plain cast would give the CPU other bits than the GPU
   y = sum_g (sum_{k in group g} a b) * sa[m, g] * sb[n // G or n, g], each group's partial sum
   scaled and added to the fp32 accumulator in K order. K need not be a multiple of G (a ragged
   last group: the loads past K read zeros).
-Batch invariance by construction: one fixed tile configuration per scale layout (`kernel_config`),
-whatever the shapes,
-no split-K, and each program walks K in the same order from k = 0, so y[m, :] depends only on A's
-row m (and its scales) and on B: the same bits whether row m is multiplied alone, in a batch of 64,
-or at another position in the batch (tests/fp8/test_triton_gemm.py on CPU; on an H200 rows of
-M = 1..1000 equal those of M = 4096, docs/gpu.md). Products of FP8 values are exact in
+Batch invariance by construction: one fixed tile configuration per scale layout (`kernel_config`)
+whatever the shapes, no split-K, and each program walks K in the same order from k = 0, so y[m, :]
+depends only on A's row m (and its scales) and on B: the same bits whether row m is multiplied
+alone, in a batch of 64, or at another position in the batch (tests/fp8/test_triton_gemm.py on
+CPU; on an H200, before the per-tensor tile became 128 rows, rows of M = 1..1000 equalled those of
+M = 4096, docs/gpu.md). Products of FP8 values are exact in
 fp32; on the GPU the MMA sums PROMOTE_K K elements in its own accumulator, which the kernel then
 adds to its fp32 accumulator (per tensor one K step late, so that the addition overlaps the next
 step's MMA: results/kernel_audit/invariant_gemm.md).
