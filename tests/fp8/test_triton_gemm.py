@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 
+from bench import triton_gemm as triton_gemm_bench
 from megatron_fp8rl.fp8 import triton_gemm
 from megatron_fp8rl.fp8.formats import E4M3, E5M2
 from megatron_fp8rl.fp8.gemm import check_recipe_gemm, fp8_matmul_nt, resolve_gemm
@@ -38,7 +39,7 @@ from megatron_fp8rl.fp8.triton_gemm import triton_fp8_matmul_nt
 pytestmark = pytest.mark.triton
 
 U = 2.0**-24
-M, N, K = 70, 200, 384  # M crosses a 64-row tile, N a 128-column tile; K = 3 groups of 128
+M, N, K = 70, 200, 384  # M crosses a 64-row tile (groups), N a 128-column tile; K = 3 groups of 128
 SCHEMES = {  # name: (activation block, weight block) or None per tensor
     "tensor": None,
     "block128": (ACTIVATION_BLOCK, WEIGHT_BLOCK),
@@ -109,6 +110,17 @@ def test_rows_are_bit_identical_whatever_the_batch(scheme):
         assert torch.equal(alone, full[index]), f"rows {index.tolist()[:8]} (M={len(index)}) changed bits"
 
 
+def test_per_tensor_rows_of_small_batches_equal_those_of_a_large_one():
+    """Per tensor (128-row tiles, the product promoted a step late): rows of M = 1, 7, 50, 333 equal
+    the same rows of M = 400, and the last rows of M = 333 those at its position in M = 400."""
+    a, b = _operands("tensor", m=400, n=136, k=384)
+    full = fp8_matmul_nt(a, b, "triton_invariant")
+    for m in (1, 7, 50, 333):
+        assert torch.equal(fp8_matmul_nt(_rows(a, torch.arange(m)), b, "triton_invariant"), full[:m]), f"M={m}"
+    tail = torch.arange(67, 400)
+    assert torch.equal(fp8_matmul_nt(_rows(a, tail), b, "triton_invariant"), full[tail])
+
+
 @pytest.mark.parametrize("scheme", ["tensor", "group32", "block128"])
 def test_bf16_epilogue_rounds_the_fp32_result_to_nearest_even(scheme):
     a, b = _operands(scheme, k=300)
@@ -127,33 +139,38 @@ def test_e5m2_gradients_times_e4m3_operands():
         assert bool(((y.double() - reference).abs() <= _bound(scheme, b, a)).all())
 
 
-def test_one_kernel_body_the_interpreter_differs_in_block_dot_only():
-    """The kernel calls `_block_dot` for every tile product and has no `tl.dot` or interpreter
-    branch of its own; `_block_dot` is the only place that reads ROW_SUMS."""
+def test_one_kernel_body_the_interpreter_differs_in_tile_product_only():
+    """The kernel calls `_tile_product` for every tile product and has no `tl.dot` or interpreter
+    branch of its own; `_tile_product` is the only place that reads ROW_SUMS."""
     kernel = inspect.getsource(triton_gemm._fp8_gemm_nt_kernel).split('"""')[2]
-    assert "tl.dot" not in kernel and "if ROW_SUMS" not in kernel and kernel.count("_block_dot(") == 2
-    assert "if ROW_SUMS" in inspect.getsource(triton_gemm._block_dot)
+    assert "tl.dot" not in kernel and "if ROW_SUMS" not in kernel and kernel.count("_tile_product(") == 2
+    assert "if ROW_SUMS" in inspect.getsource(triton_gemm._tile_product)
 
 
-@pytest.mark.parametrize("group,sb_rows,out", [(0, 1, "fp32"), (128, 128, "fp32"), (128, 1, "bf16"), (32, 1, "bf16")])
-def test_gpu_code_path_compiles_for_sm90_with_wgmma(monkeypatch, group, sb_rows, out):
+@pytest.mark.parametrize("variant", list(triton_gemm_bench.AUDIT_VARIANTS))
+def test_gpu_code_path_compiles_for_sm90_with_wgmma_and_no_spills(monkeypatch, variant):
     """Triton compiles the kernel's GPU path (ROW_SUMS False: `tl.dot`) for an H100/H200 without a
-    GPU; its PTX uses Hopper's wgmma. The CPU tier's triton (3.9) is newer than the GPU machine's
-    (3.6): the kit (bench/gpu_smoke.py) is what runs it there."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
+    GPU, with a launch's specialization at a Qwen3-8B shape (bench/triton_gemm.py --audit): its SASS
+    uses Hopper's wgmma, ptxas spills nothing and reports no wgmma serialization (C7514 / C7515 /
+    C7517: a wait injected before instructions that read the MMA's registers). The CPU tier's
+    triton (3.9) is newer than the GPU machine's (3.6): the kit (bench/gpu_smoke.py) runs it there."""
     monkeypatch.delenv("TRITON_INTERPRET")
-    kernel = triton_gemm._wrapped(False)
-    signature = {name: "i32" for name in ("M", "N", "K", "stride_am", "stride_bn", "stride_ym", "stride_sam",
-                                          "stride_sbn")}
-    signature.update(a_ptr="*fp8e4nv", b_ptr="*fp8e5", y_ptr=f"*{out}", sa_ptr="*fp32", sb_ptr="*fp32")
-    constants = dict(GROUP=group, SB_ROWS=sb_rows, ROW_SUMS=False, PROMOTE=min(triton_gemm.PROMOTE_K, group or 128),
-                     SWIZZLE=triton_gemm.SWIZZLE_M, OUT_BF16=out == "bf16", **triton_gemm.TILE)
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    compiled = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                       options=dict(triton_gemm.LAUNCH))
-    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    report = triton_gemm_bench.audit_variant(*triton_gemm_bench.AUDIT_VARIANTS[variant])
+    print(variant, report)
+    assert report["wgmma"] > 0 and report["spill_stores"] == report["spill_loads"] == 0
+    assert report["ptxas_notes"] == []
+
+
+def test_per_tensor_promotion_runs_while_the_next_wgmma_does(monkeypatch):
+    """Per tensor, the 128 x 128 fp32 adds that promote a K step's product (64 per thread over 8
+    warps) are issued between the next step's WARPGROUP.ARRIVE and its WARPGROUP.DEPBAR (most of
+    them: ptxas interleaves them with the wgmmas), and no wait is injected before them."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tile, launch = triton_gemm.kernel_config(None)
+    adds_per_thread = tile["BLOCK_M"] * tile["BLOCK_N"] // (32 * launch["num_warps"])
+    report = triton_gemm_bench.audit_variant(0, 1)
+    assert report["depbar"] == 1 and report["ptxas_notes"] == []
+    assert report["fp_in_flight"] >= 0.75 * adds_per_thread, report
 
 
 def test_fp8_linear_runs_it_forward_and_fp32_sums_backward():
