@@ -22,10 +22,11 @@ Arithmetic (equal to fp8/quantize.py's bit for bit, tests/fp8/test_triton_quanti
   round ties away from zero and map NaN otherwise: the same code then runs compiled and interpreted.
 - statistics (fp8/stats.py `reference_stats`, rowwise copy only), added into int64 counters on the
   device: [saturated, underflow, finite non-zero, non-finite, NaN].
-The only interpreter-only difference is the scope `_kernels` runs them in: under TRITON_INTERPRET the kernels call the
-undecorated bodies of `tl.max` / `tl.sum` (triton.language wraps them with `triton.jit` when it is
-imported, and a kernel wrapped for the interpreter cannot call a compiled-mode JIT function; which
-mode they got depends on whether the variable was set before the process first imported triton).
+The only interpreter-only difference is the scope `_kernels` runs them in: under TRITON_INTERPRET
+the kernels call the undecorated bodies of `tl.max` / `tl.sum` (triton.language wraps them with
+`triton.jit` when it is imported, and a kernel wrapped for the interpreter cannot call a
+compiled-mode JIT function; which mode they got depends on whether the variable was set before the
+process first imported triton).
 Kernels are wrapped at first use per mode (`_kernels`), never at import.
 """
 from __future__ import annotations

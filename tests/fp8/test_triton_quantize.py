@@ -186,7 +186,7 @@ def test_stats_object_reads_nothing_until_asked():
 
 @pytest.mark.parametrize("scales,colwise,transposed", [(0, False, True), (2, True, False), (3, False, True)])
 def test_gpu_code_path_of_the_quantize_kernels_compiles_for_sm90(monkeypatch, scales, colwise, transposed):
-    """Triton compiles both kernels' GPU path (the JIT-wrapped helpers `_load_tile`, `_fp8_codes`,
+    """Triton compiles both kernels' GPU path (the JIT-wrapped helpers `_load_slab`, `_fp8_codes`,
     `_scale_of` and tl.max / tl.sum, every output and counter on) for an H100/H200 without a GPU:
     what the interpreter tests above run is the body the GPU compiles."""
     from triton.backends.compiler import GPUTarget
