@@ -1,6 +1,7 @@
 """A batch-invariant FP8 GEMM in Triton: y = A_fp8 @ B_fp8^T with per-tensor or group / block scales.
 
-Owns: `triton_fp8_matmul_nt` (the host function: operand checks, launch), its kernel
+Owns: `triton_fp8_matmul_nt` (the host function: operand checks, launch), `gemm_launch` (what it
+launches, without launching: bench/kernel_audit.py compiles from it), its kernel
 `_fp8_gemm_nt_kernel` and its helpers (`_tile_product`, the one place where the CPU interpreter and
 the GPU differ); the 'triton_invariant' GEMM of fp8/gemm.py.
 Must not import: megatron, megatron_fp8rl.compat or anything above layer L0 (torch and triton only;
@@ -43,11 +44,12 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 
 import torch
 import triton
 import triton.language as tl
+
+from megatron_fp8rl.fp8.triton_quantize import with_globals
 
 PER_TENSOR_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}
 """The tile of every per-tensor call (changing it with M would change rows' bits): 128 rows over two
@@ -79,6 +81,8 @@ OUT_DTYPES = (torch.float32, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_ELEMENTS = 2**31
 """Offsets are 32-bit in the kernel: operands and output must hold fewer elements."""
+K_ALIGN = 16
+"""Operands' K is padded with zero codes to a multiple of this (`_k_padded`)."""
 
 
 def kernel_config(group: int | None) -> tuple[dict, dict]:
@@ -174,14 +178,6 @@ def _fp8_gemm_nt_kernel(a_ptr, b_ptr, y_ptr, sa_ptr, sb_ptr, M, N, K,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def _with_globals(fn: types.FunctionType, scope: dict) -> types.FunctionType:
-    """A copy of `fn` (same code, so the same source for triton) that resolves names in `scope`."""
-    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__doc__, copy.__qualname__, copy.__module__ = fn.__doc__, fn.__qualname__, fn.__module__
-    copy.__annotations__ = fn.__annotations__  # which parameters are tl.constexpr
-    return copy
-
-
 @functools.cache
 def _wrapped(interpret: bool):
     """The kernel wrapped by `triton.jit` while `knobs.runtime.interpret == interpret` (the flag
@@ -192,8 +188,8 @@ def _wrapped(interpret: bool):
     and M % 16 == 0 as other variants, and one compiled kernel for every batch size is the point."""
     scope = dict(globals())
     for helper in (_row_tree_sums, _tile_product):
-        scope[helper.__name__] = triton.jit(_with_globals(helper, scope))
-    kernel = _with_globals(_fp8_gemm_nt_kernel, scope)
+        scope[helper.__name__] = triton.jit(with_globals(helper, scope))
+    kernel = with_globals(_fp8_gemm_nt_kernel, scope)
     return triton.jit(kernel, do_not_specialize=["M"])
 
 
@@ -264,6 +260,20 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _k_padded(t: torch.Tensor) -> torch.Tensor:
+    """t [R, K], or a copy with zero codes up to the next multiple of K_ALIGN columns. The kernel
+    then holds the same tiles (its masked loads past K read zeros too) and the same scale groups
+    (G is a multiple of K_ALIGN), so no bit of y changes; but its loads are specialized for
+    16-divisible strides: with K = 50 (a wgrad over an RL micro-batch's tokens) the compiled
+    kernel used 255 registers and spilled ~1 KB per thread (bench/kernel_audit.py)."""
+    k = t.shape[1]
+    if k % K_ALIGN == 0:
+        return t
+    padded = t.new_zeros(t.shape[0], triton.cdiv(k, K_ALIGN) * K_ALIGN)
+    padded[:, :k] = t
+    return padded
+
+
 def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                          group: int | None = None, b_rows: bool = False,
                          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -276,16 +286,26 @@ def triton_fp8_matmul_nt(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb:
     _check_operands(a, b)
     _check_scales(a, b, sa, sb, group, b_rows)
     kernel, interpret = _kernel(a.device)
-    a, b, sa, sb = (_aligned(t) for t in (a, b, sa, sb))
+    y, grid, args, options = gemm_launch(a, b, sa, sb, group, b_rows, out_dtype, interpret)
+    if grid[0]:
+        kernel[grid](*args, **options)
+    return y
+
+
+def gemm_launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, group: int | None = None,
+                b_rows: bool = False, out_dtype: torch.dtype = torch.float32, interpret: bool = False) -> tuple:
+    """What `triton_fp8_matmul_nt` launches for checked operands, without launching: (y, grid,
+    the kernel's positional and keyword arguments; `interpret`: the interpreter's variant).
+    Allocates only, so meta tensors work (bench/kernel_audit.py compiles every variant from it)."""
+    a, b = (_k_padded(_aligned(t)) for t in (a, b))
+    sa, sb = _aligned(sa), _aligned(sb)
     (m, k), n = a.shape, b.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:
-        return y
     tile, launch = kernel_config(group)
     grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
     scale_strides = (sa.stride(0), sb.stride(0)) if group is not None else (0, 0)
-    kernel[grid](a, b, y, sa, sb, m, n, k, a.stride(0), b.stride(0), y.stride(0), *scale_strides,
-                 GROUP=group or 0, SB_ROWS=1 if b_rows or group is None else group, ROW_SUMS=interpret,
-                 PROMOTE=min(PROMOTE_K, group or tile["BLOCK_K"]), SWIZZLE=SWIZZLE_M,
-                 OUT_BF16=out_dtype == torch.bfloat16, **tile, **launch)
-    return y
+    args = (a, b, y, sa, sb, m, n, k, a.stride(0), b.stride(0), y.stride(0), *scale_strides)
+    options = dict(GROUP=group or 0, SB_ROWS=1 if b_rows or group is None else group, ROW_SUMS=interpret,
+                   PROMOTE=min(PROMOTE_K, group or tile["BLOCK_K"]), SWIZZLE=SWIZZLE_M,
+                   OUT_BF16=out_dtype == torch.bfloat16, **tile, **launch)
+    return y, grid, args, options

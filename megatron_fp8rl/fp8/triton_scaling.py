@@ -29,12 +29,13 @@ by the caller, and read by a POST launch; with one rank both phases run in one l
 from __future__ import annotations
 
 import functools
-import types
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from megatron_fp8rl.fp8.triton_quantize import with_globals
 
 MODES = {"current": 0, "calibrated": 1, "calibrated_weight": 2, "weight_hit": 3, "delayed": 4}
 """What `_scaling_kernel` computes (module docstring)."""
@@ -155,12 +156,11 @@ def _kernel(interpret: bool):
     else:
         names = {"_max": tl.max, "_sum": tl.sum}
     names = dict(globals(), **names)
-    rebound = {fn.__name__: types.FunctionType(fn.__code__, names, fn.__name__) for fn in helpers}
+    rebound = {fn.__name__: with_globals(fn, names) for fn in helpers}
     if not interpret:
         rebound = {name: triton.jit(fn) for name, fn in rebound.items()}
     names.update(rebound)
-    return triton.jit(types.FunctionType(_scaling_kernel.__code__, names, "_scaling_kernel"),
-                      do_not_specialize=["P", "P_OVER", "numel", "L"])
+    return triton.jit(with_globals(_scaling_kernel, names), do_not_specialize=["P", "P_OVER", "numel", "L"])
 
 
 def _new(device, dtype=torch.float32, shape=()) -> torch.Tensor:
@@ -186,14 +186,28 @@ def _launch(mode: str, fmt, vec: torch.Tensor, partial=None, overflow=None, nume
     for pre, post in phases:
         if not pre and reduce is not None:
             reduce(shared)
-        kernel[(1,)](vec if partial is None else partial, 0 if partial is None else partial.numel(),
-                     vec if overflow is None else overflow, 0 if overflow is None else overflow.numel(),
-                     max(numel, 1), history, history.numel(), vec if state is None else state.scale, vec,
-                     vec if counts is None else counts, out["scale"], out["scale_inv"], out["state_scale"],
-                     out["recalibrated"], FMAX=fmt.max, MARGIN_MUL=2.0 ** -margin,
-                     TOLERANCE=float(np.float32(tolerance)), MODE=MODES[mode], MOST_RECENT=most_recent,
-                     PRE=pre, POST=post, BLOCK_P=1024, BLOCK_L=triton.next_power_of_2(history.numel()))
+        args, options = scaling_launch(mode, fmt, vec, out, partial, overflow, numel, history,
+                                       None if state is None else state.scale, counts, margin, tolerance,
+                                       most_recent, pre, post)
+        kernel[(1,)](*args, **options)
     return out
+
+
+def scaling_launch(mode: str, fmt, vec, out: dict, partial=None, overflow=None, numel: int = 1, history=None,
+                   state_scale=None, counts=None, margin: int = 0, tolerance: float = 0.0,
+                   most_recent: bool = False, pre: bool = True, post: bool = True) -> tuple:
+    """What one `_scaling_kernel` launch of `_launch` passes, without launching: (positional,
+    keyword arguments; absent inputs get `vec` as a dummy pointer). Allocates nothing, so meta
+    tensors work (bench/kernel_audit.py compiles every mode from it)."""
+    history = vec if history is None else history
+    args = (vec if partial is None else partial, 0 if partial is None else partial.numel(),
+            vec if overflow is None else overflow, 0 if overflow is None else overflow.numel(),
+            max(numel, 1), history, history.numel(), vec if state_scale is None else state_scale, vec,
+            vec if counts is None else counts, out["scale"], out["scale_inv"], out["state_scale"], out["recalibrated"])
+    options = dict(FMAX=fmt.max, MARGIN_MUL=2.0 ** -margin, TOLERANCE=float(np.float32(tolerance)),
+                   MODE=MODES[mode], MOST_RECENT=most_recent, PRE=pre, POST=post, BLOCK_P=1024,
+                   BLOCK_L=triton.next_power_of_2(history.numel()))
+    return args, options
 
 
 def _interpret(device: torch.device) -> bool:

@@ -187,7 +187,7 @@ def test_stats_object_reads_nothing_until_asked():
 
 @pytest.mark.parametrize("scales,colwise,transposed", [(0, False, True), (2, True, False), (3, False, True)])
 def test_gpu_code_path_of_the_quantize_kernels_compiles_for_sm90(monkeypatch, scales, colwise, transposed):
-    """Triton compiles both kernels' GPU path (the JIT-wrapped helpers `_load_tile`, `_fp8_codes`,
+    """Triton compiles both kernels' GPU path (the JIT-wrapped helpers `_load_slab`, `_fp8_codes`,
     `_scale_of` and tl.max / tl.sum, every output and counter on) for an H100/H200 without a GPU:
     what the interpreter tests above run is the body the GPU compiles."""
     from triton.backends.compiler import GPUTarget
@@ -200,7 +200,8 @@ def test_gpu_code_path_of_the_quantize_kernels_compiles_for_sm90(monkeypatch, sc
                  "st_ptr": "*fp32", "scale_ptr": "*fp32", "amax_ptr": "*fp32", "counts_ptr": "*i64"}
     block = (128, 128) if scales == 3 or colwise else (32, 128)
     constants = dict(tq.format_constants("e4m3"), MARGIN_MUL=1.0, SCALES=scales, TRANSPOSED=transposed,
-                     COLWISE=colwise, AMAX=True, STATS=True, BLOCK_M=block[0], BLOCK_K=block[1])
+                     COLWISE=colwise, AMAX=True, STATS=True, BLOCK_M=block[0], BLOCK_K=block[1],
+                     SLAB_M=tq.SLAB_ROWS)
     signature.update(dict.fromkeys(constants, "constexpr"))
     ptx = compile(ASTSource(quantize, signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert "atom.global" in ptx or "red.global" in ptx  # the statistics counters, added on the device
