@@ -91,3 +91,17 @@ def test_blockwise_scales_are_the_ones_quantize_blockwise_uses():
     for pow2 in (False, True):
         assert torch.equal(blockwise_scales(x, E4M3, (1, 32), scale_pow2=pow2).reciprocal(),
                            quantize_blockwise(x, E4M3, (1, 32), scale_pow2=pow2).scale_inv)
+
+
+def test_the_device_path_refuses_what_it_has_no_kernel_for():
+    from megatron_fp8rl.fp8.device_quantize import check_device_quantizer, check_device_recipe
+
+    pow2 = recipe_by_name("groupwise32", scale_pow2=True)
+    with pytest.raises(ValueError, match=r"BlockwiseScaling\(scale_pow2=True\) has no device kernel"):
+        check_device_recipe(pow2)
+    with pytest.raises(ValueError, match=r"BlockQuantizer\(scale_pow2=True\) has no device kernel"):
+        check_device_quantizer(make_quantizers(pow2).weight)
+    held = HeldScaleWeightQuantizer(make_quantizers(groupwise32()).weight, torch.randn(4, 32))
+    with pytest.raises(ValueError, match="HeldScaleWeightQuantizer has no device quantization"):
+        check_device_quantizer(held)
+    check_device_recipe(groupwise32())  # fp32 scales: the device kernels' own
