@@ -6,7 +6,8 @@ With M mini-batches a step, the ratio at mini-batch m >= 1 is exp(log π_θm - l
 both logprobs come from FP8 forwards: it carries noise(θ_m) - noise(θ_old). The shadow (the same
 weights, every FP8 linear in float32: models/megatron_fp8_linear.high_precision_fp8_linears) gives
 the ratio without it. Per arm and seed this builds the tiny Megatron GPT the tests build (random
-weights, larger), draws random token sequences with a random advantage per sequence, and runs
+weights, larger) with random token sequences, or with `--model` SmolLM2-135M in Megatron with
+answers it samples to the built-in arithmetic prompts, one random advantage a sequence, and runs
 `--steps` RL steps, each as the trainer's: the recompute of log π_old over the whole batch at θ_old
 (FP8, and the shadow's), then M mini-batches, each a training forward at θ_m, the PPO loss with
 clip 0.2/0.2 on the FP8 ratio, and one Adam step (lr 1e-5, the moderate regimes'). At every
@@ -15,14 +16,20 @@ mini-batch m >= 1 (no optimizer step between the recompute and m = 0, whose FP8 
     |dlog r|     mean |log r_fp8 - log r_shadow|
     over-clip    the share of A < 0 tokens the FP8 ratio clips at 1 - eps and the shadow's does not
                  (rl/calibrated_clipping.clip_diagnostic's neg_overclip, the study's diagnostic)
-and, at θ_old of the first step, the quantization's own cost: mean |log π_fp8 - log π_float32|.
+and, at θ_old of the first step, the quantization's own cost: mean |log π_fp8 - log π_float32|,
+and the share of FP8 weight codes the first optimizer step changed. A second table replays
+groupwise32's ratios with the FP8 lower bound widened below 1 - eps (the zero-cost 'clip less'
+control): over-clip and under-clip against the shadow at 1 - eps. `--boundary-only` prints, for
+an HF folder's decoder weights, the share sitting at an E4M3 rounding boundary under fp32 and
+power-of-two 1x32 scales (what the smallest update flips).
 Arms: groupwise32 (plain, fp32 group scales, live), frozen (model.fp8_step_weight_scales=frozen:
 θ_old's weight scales held through the step), pow2 (model.fp8_recipe.scale_pow2: power-of-two
 scales), frozen+pow2, and the float32 trainer (no FP8: its ratio is the shadow's, 0 by
 construction). Ratios are against groupwise32 measured in the same run with the same seeds; every
 arm here adds no forward or backward pass (extra compute 0).
 
-    python bench/ratio_noise.py [--seeds 1,2,3] [--steps 2] [--mini-batches 4] [--out FILE]
+    python bench/ratio_noise.py [--model .cache/smollm2] [--seeds 1,2,3] [--steps 2] [--mini-batches 4]
+        [--batch 64] [--arms groupwise32,frozen,pow2,frozen+pow2,float32] [--boundary-only]
 """
 from __future__ import annotations
 
@@ -257,7 +264,12 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=704, help="tiny GPT")
     parser.add_argument("--vocab", type=int, default=2048, help="tiny GPT")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--boundary-only", action="store_true",
+                        help="with --model: only the share of its decoder weights at an E4M3 rounding boundary")
     args = parser.parse_args()
+    if args.boundary_only:
+        print_boundary_shares(args.model)
+        return
     arms, seeds = args.arms.split(","), [int(s) for s in args.seeds.split(",")]
     unknown = [arm for arm in arms if arm not in ARMS]
     if unknown or BASELINE not in arms:
@@ -298,6 +310,35 @@ def print_table(results, arms: list[str], seeds: list[int]) -> None:
             cells.append(", ".join(fmt.format(v) for v in per_seed))
             cells.append(_ratio(statistics.fmean(per_seed), base))
         print(f"| {arm} | {' | '.join(cells)} | 0 |")
+
+
+def boundary_share(weight: torch.Tensor, scale_pow2: bool) -> float:
+    """The share of `weight`'s elements within 2**-20 (relative) of an E4M3 rounding boundary once
+    scaled by their 1x32 group's scale: the codes the smallest update flips. A checkpoint stored on
+    a coarse grid (bf16, or this SmolLM2's Q4_1 origin) keeps its low mantissa bits under
+    power-of-two scales, so many of its values sit exactly on ties; fp32 scales scatter them."""
+    from megatron_fp8rl.fp8.formats import E4M3
+    from megatron_fp8rl.fp8.quantize import blockwise_scales
+
+    x = weight.float()
+    scaled = x * blockwise_scales(x, E4M3, (1, 32), scale_pow2=scale_pow2).repeat_interleave(32, 1)[:, :x.shape[1]]
+    up, down = ((scaled * (1 + sign * 2**-20)).clamp(-448, 448).to(E4M3.dtype) for sign in (1, -1))
+    return float((up.view(torch.uint8) != down.view(torch.uint8)).float().mean())
+
+
+def print_boundary_shares(model_dir: Path | None) -> None:
+    from safetensors.torch import load_file
+
+    if model_dir is None:
+        raise SystemExit("--boundary-only needs --model (an HF folder)")
+    weights = [w for name, w in sorted(load_file(str(model_dir / "model.safetensors")).items())
+               if ".layers." in name and name.endswith("proj.weight")]
+    print(f"# python bench/ratio_noise.py {' '.join(sys.argv[1:])}")
+    print(f"# {len(weights)} decoder linear weights of {model_dir}, 1x32 groups")
+    for pow2 in (False, True):
+        share = statistics.fmean(boundary_share(w, pow2) for w in weights)
+        print(f"{'power-of-two' if pow2 else 'fp32'} scales: {share:.3%} of the weights within 2^-20 of an "
+              "E4M3 rounding boundary (mean over the linears)")
 
 
 WIDER_LOWS = (0.8, 0.75, 0.7, 0.65, 0.6, 0.5)

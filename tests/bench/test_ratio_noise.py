@@ -4,6 +4,7 @@ weight scales changes no weight code through a scale move. One process (gloo).""
 import argparse
 
 import pytest
+import torch
 
 from bench import ratio_noise as bench
 
@@ -29,3 +30,12 @@ def test_fp8_ratios_of_a_later_mini_batch_differ_from_the_shadows(found):
 
 def test_the_arms_start_from_the_same_weights_and_batch(found):
     assert found["frozen"]["quant"] == found["groupwise32"]["quant"]  # θ_old: held scales are the live ones
+
+
+def test_boundary_share_counts_ties_that_power_of_two_scales_keep():
+    """A group with max 1.0 and 1.0625: power-of-two scale 256 puts 1.0625 at 272, halfway between the
+    E4M3 values 256 and 288 (a tie); the fp32 scale 448 puts it at 476, inside (464, 480)."""
+    weight = torch.zeros(2, 32)
+    weight[:, 0], weight[:, 1] = 1.0, 1.0625
+    assert bench.boundary_share(weight, scale_pow2=True) == 1 / 32
+    assert bench.boundary_share(weight, scale_pow2=False) == 0.0
