@@ -13,6 +13,7 @@ quantizers (the values an FP8 GEMM multiplies; its fp32 accumulation differs onl
                     activations per 1x128 group: the `groupwise` recipe
     group32/group32 1x32 groups on both sides (MXFP8's block length, with fp32 scales): the
                     `groupwise32` recipe, the CPU demo's
+    group32p2/group32p2  the same with power-of-two scales (MXFP8's UE8M0; scale_pow2)
     none            on either side: that operand stays float32 (which side costs the accuracy)
     ...@F:L         the first F and the last L decoder layers stay float32 (Megatron-LM's
                     --first-last-layers-bf16 idea), e.g. group/group@1:1
@@ -59,16 +60,17 @@ def per_row(x: torch.Tensor) -> torch.Tensor:
     return (q.data.float() * q.scale_inv.reshape(-1, 1)).reshape(x.shape)
 
 
-def per_block(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def per_block(x: torch.Tensor, block: tuple[int, int], scale_pow2: bool = False) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    return quantize_blockwise(flat, E4M3, block).dequantize().reshape(x.shape)
+    return quantize_blockwise(flat, E4M3, block, scale_pow2=scale_pow2).dequantize().reshape(x.shape)
 
 
 WEIGHTS = {"tensor": per_tensor, "channel": per_row, "block": lambda w: per_block(w, (128, 128)),
            "group": lambda w: per_block(w, (1, 128)), "group32": lambda w: per_block(w, (1, 32)),
-           "none": lambda w: w}
+           "group32p2": lambda w: per_block(w, (1, 32), scale_pow2=True), "none": lambda w: w}
 ACTIVATIONS = {"token": per_row, "group": lambda x: per_block(x, (1, 128)),
-               "group32": lambda x: per_block(x, (1, 32)), "none": lambda x: x}
+               "group32": lambda x: per_block(x, (1, 32)),
+               "group32p2": lambda x: per_block(x, (1, 32), scale_pow2=True), "none": lambda x: x}
 GRANULARITIES = ("tensor/static", "tensor/token", "channel/token", "block/group", "group/group")
 
 

@@ -99,6 +99,7 @@ def check_device_recipe(recipe: recipes.Fp8Recipe) -> None:
                          "kernel: only criterion 'max' runs on CUDA (percentile / mse bounds are computed "
                          "on the host)")
     if isinstance(recipe, recipes.BlockwiseScaling):
+        _refuse_pow2(recipe.scale_pow2, "FP8 recipe BlockwiseScaling(scale_pow2=True)")
         group = recipe.activation_block[1]
         if (recipe.activation_block != (1, group) or group not in GROUP_WIDTHS
                 or recipe.weight_block not in ((1, group), (group, group))):
@@ -107,12 +108,20 @@ def check_device_recipe(recipe: recipes.Fp8Recipe) -> None:
                              f"groups with 1xG or GxG weight blocks, G in {GROUP_WIDTHS}")
 
 
+def _refuse_pow2(scale_pow2: bool, what: str) -> None:
+    """ValueError: the device kernels compute fp32 block scales; power-of-two ones are not wired."""
+    if scale_pow2:
+        raise ValueError(f"{what} has no device kernel: the Triton quantization computes fp32 block scales; "
+                         "power-of-two scales run on the CPU tier only (scale_pow2=false on CUDA)")
+
+
 def check_device_quantizer(quantizer) -> None:
     """ValueError naming a quantizer the device path has no kernel for (check_device_recipe's
     rules, for quantizers built without that check)."""
     if isinstance(quantizer, CalibratedQuantizer):
         check_device_recipe(quantizer.spec)
     elif isinstance(quantizer, BlockQuantizer):
+        _refuse_pow2(quantizer.scale_pow2, "BlockQuantizer(scale_pow2=True)")
         block, group = quantizer.block, quantizer.block[1]
         if group not in GROUP_WIDTHS or block not in ((1, group), (group, group)):
             raise ValueError(f"BlockQuantizer block {block} has no device kernel: 1xG or GxG, G in {GROUP_WIDTHS}")

@@ -7,7 +7,8 @@ dequantization multiplier `scale_inv = 1 / scale`, at three granularities:
 - blockwise: one scale per (bn x bk) block, 128x128 for weights [N, K] (the DeepSeek / SGLang
   `weight_scale_inv` layout [ceil(N/128), ceil(K/128)]) and 1x128 per-token groups for
   activations [M, K] (scale_inv [M, ceil(K/128)]).
-Also the scale-from-bound formula shared with TE's delayed scaling (`scale_from_bound`).
+Also the scale-from-bound formula shared with TE's delayed scaling (`scale_from_bound`) and its
+power-of-two rounding (`pow2_scale`: UE8M0 scales, as MXFP8 and DeepSeek-V3.1 store them).
 
 Saturation: every finite or infinite input is clamped to +-fp8_max before the cast, so an
 overflowing input never becomes NaN (E4M3 has no inf; E5M2's inf is never produced). NaN stays NaN.
@@ -143,6 +144,15 @@ def scale_from_bound(
     return torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
 
 
+def pow2_scale(scale: torch.Tensor) -> torch.Tensor:
+    """`scale` rounded down to a power of two, 2**floor(log2(scale)) (UE8M0: MXFP8's and
+    DeepSeek-V3.1's scale format), so its dequant multiplier 1/scale is exact and x * scale stays
+    within the bound's range (no new saturation). Exact for every positive finite fp32 (frexp, no
+    log2 rounding); FP32_MAX maps to 2**127. Elementwise, fp32."""
+    mantissa, exponent = torch.frexp(scale.float())  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(mantissa), exponent - 1)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """q = cast_fp8(clamp(x * scale, -fp8_max, fp8_max)); `scale` broadcasts against x.
 
@@ -221,29 +231,39 @@ def _block_amax(blocks: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def quantize_blockwise(
-    x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int] = WEIGHT_BLOCK, margin: int = 0
+    x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int] = WEIGHT_BLOCK, margin: int = 0,
+    scale_pow2: bool = False,
 ) -> Fp8Tensor:
     """One scale per (bn x bk) block of x [N, K]; scale_inv [ceil(N/bn), ceil(K/bk)].
 
     Use WEIGHT_BLOCK (128x128) for weights and ACTIVATION_BLOCK (1x128) for activations and
-    gradients flattened to [tokens, channels]. An all-zero block gets scale 1.
+    gradients flattened to [tokens, channels]. An all-zero block gets scale 1. `scale_pow2`: each
+    block's scale rounded down to a power of two (`pow2_scale`).
     """
-    return quantize_blockwise_bounded(x, fmt, block, margin)[0]
+    return quantize_blockwise_bounded(x, fmt, block, margin, scale_pow2)[0]
+
+
+def block_scales(bound: torch.Tensor, fmt: Fp8Format, margin: int = 0, scale_pow2: bool = False) -> torch.Tensor:
+    """The quantization multipliers of blocks whose max |x| is `bound` (any shape): TE's formula,
+    rounded down to powers of two when `scale_pow2`."""
+    scale = scale_from_bound(bound, fmt.max, margin)
+    return pow2_scale(scale) if scale_pow2 else scale
 
 
 def quantize_blockwise_bounded(
-    x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int] = WEIGHT_BLOCK, margin: int = 0
+    x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int] = WEIGHT_BLOCK, margin: int = 0,
+    scale_pow2: bool = False,
 ) -> tuple[Fp8Tensor, torch.Tensor | None]:
     """(`quantize_blockwise(x, ...)`, each block's max |x| [ceil(N/bn), ceil(K/bk)] in fp32 when
     every element of x is known finite (CPU), else None): the bounds let the block statistics
     rule out saturation without another pass over x."""
     if block[0] == 1 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % block[1]:
-        groups = _quantize_ragged_groups(x, fmt, block[1], margin)
+        groups = _quantize_ragged_groups(x, fmt, block[1], margin, scale_pow2)
         if groups is not None:
             return groups
     blocks, nb, kb = _block_view(x, block)
     bound, finite = _block_amax(blocks)
-    scale = scale_from_bound(bound, fmt.max, margin)
+    scale = block_scales(bound, fmt, margin, scale_pow2)
     if finite:  # |x| <= its block's bound, so fl(x * scale) < the FP8 overflow threshold: no clamp
         q = (blocks * scale[:, None, :, None]).to(fmt.dtype)
     else:
@@ -253,7 +273,29 @@ def quantize_blockwise_bounded(
     return result, bound if finite else None
 
 
-def _quantize_ragged_groups(x: torch.Tensor, fmt: Fp8Format, width: int, margin: int):
+def blockwise_scales(x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int], margin: int = 0,
+                     scale_pow2: bool = False) -> torch.Tensor:
+    """The multipliers [ceil(N/bn), ceil(K/bk)] with which `quantize_blockwise(x, ...)` scales
+    each block of x [N, K] (bit for bit: the same bounds, the same formula)."""
+    blocks, _, _ = _block_view(x, block)
+    return block_scales(_block_amax(blocks)[0], fmt, margin, scale_pow2)
+
+
+def quantize_with_block_scales(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+                               block: tuple[int, int]) -> Fp8Tensor:
+    """x [N, K] quantized blockwise with given multipliers `scale` [ceil(N/bn), ceil(K/bk)]
+    (`blockwise_scales` of another tensor, e.g. the same weight before an update): saturating, so
+    an element grown past its block's old bound maps to +-fp8_max. With x's own scales this equals
+    `quantize_blockwise(x, ...)` bit for bit."""
+    blocks, nb, kb = _block_view(x, block)
+    if tuple(scale.shape) != (nb, kb):
+        raise ValueError(f"block scales for a {tuple(x.shape)} tensor with {block} blocks must have shape "
+                         f"{(nb, kb)}, found {tuple(scale.shape)}")
+    q = quantize(blocks, scale[:, None, :, None], fmt).view(nb * block[0], kb * block[1])
+    return Fp8Tensor(q[: x.shape[0], : x.shape[1]].contiguous(), scale.reciprocal(), "block", block)
+
+
+def _quantize_ragged_groups(x: torch.Tensor, fmt: Fp8Format, width: int, margin: int, scale_pow2: bool):
     """`quantize_blockwise_bounded` for 1 x width groups of a CPU x [N, K] whose K is not a
     multiple of width, without the zero-padded copy of x and the cropped copy of q: the whole
     groups as one [N, K // width, width] view, the partial last group apart. Same codes, scales
@@ -266,7 +308,7 @@ def _quantize_ragged_groups(x: torch.Tensor, fmt: Fp8Format, width: int, margin:
     bound = torch.cat([torch.maximum(part.amax(-1), part.amin(-1).neg()) for part in parts], 1)
     if not bool(torch.isfinite(bound).all()):
         return None
-    scale = scale_from_bound(bound, fmt.max, margin)  # [N, groups]
+    scale = block_scales(bound, fmt, margin, scale_pow2)  # [N, groups]
     q = torch.empty(rows, cols, dtype=fmt.dtype)
     groups = [q[:, :whole].view(rows, -1, width), q[:, None, whole:]] if whole else [q[:, None, :]]
     start = 0

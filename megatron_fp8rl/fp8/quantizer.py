@@ -9,6 +9,9 @@ backward format) and their scaling state; `make_quantizers(recipe, group)` picks
 - `StaticQuantizer`      one fixed dequant multiplier (no state, no collectives): the frozen-scale
                          mode (`frozen_quantizers`) in which the trainer recomputes logprobs with
                          exactly the bounds the rollout engine served (`next_scale` reads them).
+- `HeldScaleWeightQuantizer` a weight's current-scaling scales (blockwise or tensorwise) taken from
+                         the weight once and held while it moves (`held_weight_scales`: the
+                         trainer holds θ_old's through a step's mini-batches).
 Every `quantize` leaves `last_stats` (stats.QuantStats) for logging.
 CPU speed: weight quantizers reuse their last quantization while the weight is bit-identical
 (`WeightQuantCache`): a calibrated one (and the frozen StaticQuantizer built from it) while its
@@ -34,11 +37,13 @@ from megatron_fp8rl.fp8.formats import Fp8Format, recipe_formats
 from megatron_fp8rl.fp8.quantize import (
     Fp8Tensor,
     amax,
+    blockwise_scales,
     cpu_finite_peak,
     finite_amax,
     quantize,
     quantize_blockwise_bounded,
     quantize_finite,
+    quantize_with_block_scales,
     quantize_with_scale_inv,
     scale_from_bound,
     transposed_codes,
@@ -135,13 +140,14 @@ class WeightQuantCache:
             self.entry = (data, data.float(), data_t, data_t.float(), stats)
         return self.entry
 
-    def blockwise(self, x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int]):
-        """(quantize_blockwise(x, fmt, block) carrying its `dense_t` and dequantized `values`,
-        its statistics), reused while x is bit-identical: the groupwise forward reads the
-        weight's codes as [K, N] fp32, every backward its dequantized values."""
+    def blockwise(self, x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int], scale_pow2: bool = False):
+        """(quantize_blockwise(x, fmt, block, scale_pow2=scale_pow2) carrying its `dense_t` and
+        dequantized `values`, its statistics), reused while x is bit-identical: the groupwise
+        forward reads the weight's codes as [K, N] fp32, every backward its dequantized values
+        (one cache serves one quantizer, so `scale_pow2` never changes under it)."""
         self._rekey(x)
         if self.block_entry is None:
-            result, bounds = quantize_blockwise_bounded(x, fmt, block)
+            result, bounds = quantize_blockwise_bounded(x, fmt, block, scale_pow2=scale_pow2)
             result.dense_t = transposed_codes(result.data)
             result.values = result.dequantize()
             self.block_entry = (result, block_quantization_stats(x, result, fmt, bounds))
@@ -187,17 +193,19 @@ class BlockQuantizer:
 
     `cache`: a weight's WeightQuantCache (`make_quantizers` gives the weight role one), or None.
     A block weight's quantization depends on the weight alone, so it is reused until the weight's
-    bits change (an optimizer step), with the copies its GEMMs read (`WeightQuantCache.blockwise`)."""
+    bits change (an optimizer step), with the copies its GEMMs read (`WeightQuantCache.blockwise`).
+    `scale_pow2`: block scales rounded down to powers of two (recipe.BlockwiseScaling.scale_pow2)."""
 
-    def __init__(self, fmt: Fp8Format, block: tuple[int, int], cache: WeightQuantCache | None = None):
-        self.fmt, self.block, self.cache = fmt, block, cache
+    def __init__(self, fmt: Fp8Format, block: tuple[int, int], cache: WeightQuantCache | None = None,
+                 scale_pow2: bool = False):
+        self.fmt, self.block, self.cache, self.scale_pow2 = fmt, block, cache, scale_pow2
         self.last_stats: QuantStats | None = None
 
     def quantize(self, x: torch.Tensor) -> Fp8Tensor:
         if self.cache is not None and WeightQuantCache.applies(x):
-            result, self.last_stats = self.cache.blockwise(x, self.fmt, self.block)
+            result, self.last_stats = self.cache.blockwise(x, self.fmt, self.block, self.scale_pow2)
             return result
-        result, bounds = quantize_blockwise_bounded(x, self.fmt, self.block)
+        result, bounds = quantize_blockwise_bounded(x, self.fmt, self.block, scale_pow2=self.scale_pow2)
         self.last_stats = block_quantization_stats(x, result, self.fmt, bounds)
         return result
 
@@ -349,6 +357,51 @@ class StaticQuantizer:
         return None
 
 
+class HeldScaleWeightQuantizer:
+    """A weight quantizer with the scales its live current-scaling quantizer (`BlockQuantizer` or
+    `CurrentQuantizer`) gave `weight` when this one was made, held for every later weight: a code
+    then changes only where its own element crosses a rounding boundary, not where its block's
+    max |w| moved. On the weight it was made from it quantizes exactly as the live one (same
+    codes, same multipliers). Saturating: an element grown past its block's old bound maps to
+    +-fp8_max (counted in `last_stats`). No state, no collectives; CPU tier only (the device path
+    refuses it). ValueError naming any other live quantizer."""
+
+    def __init__(self, live, weight: torch.Tensor):
+        self.fmt, self.live = live.fmt, live
+        weight = weight.detach()
+        if isinstance(live, BlockQuantizer):
+            self.block = live.block
+            self.scale = blockwise_scales(weight, live.fmt, live.block, scale_pow2=live.scale_pow2)
+        elif isinstance(live, CurrentQuantizer):
+            self.block, self.scale = None, scale_from_bound(finite_amax(weight), live.fmt.max, live.margin)
+        else:
+            raise ValueError(f"held weight scales are wired for current scaling (blockwise / groupwise / "
+                             f"tensorwise recipes), not for {type(live).__name__}")
+        self.last_stats: QuantStats | None = None
+
+    def quantize(self, x: torch.Tensor) -> Fp8Tensor:
+        scale = self.scale.to(x.device)
+        if self.block is None:
+            result, self.last_stats = _per_tensor(x, scale, self.fmt, recalibrated=False)
+            return result
+        result = quantize_with_block_scales(x, scale, self.fmt, self.block)
+        self.last_stats = block_quantization_stats(x, result, self.fmt)
+        return result
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, name: str = "quantizer") -> None:
+        return None
+
+
+def held_weight_scales(quantizers: "Fp8Quantizers", weight: torch.Tensor) -> "Fp8Quantizers":
+    """`quantizers` with the weight role's scales held at those of `weight` (HeldScaleWeightQuantizer);
+    input and grad_output keep their live quantizers."""
+    return Fp8Quantizers(quantizers.input, HeldScaleWeightQuantizer(quantizers.weight, weight),
+                         quantizers.grad_output)
+
+
 def next_scale(quantizer, x: torch.Tensor | None = None) -> torch.Tensor:
     """The per-tensor scale `quantizer`'s next quantization would use, without changing its state:
     a calibrated weight quantizer derives it from `x` (the current weight; all-reduced over its
@@ -443,6 +496,6 @@ def make_quantizers(recipe: recipes.Fp8Recipe, group=None) -> Fp8Quantizers:
     else:
         make = lambda fmt, is_weight: BlockQuantizer(  # noqa: E731
             fmt, recipe.weight_block if is_weight else recipe.activation_block,
-            WeightQuantCache() if is_weight else None,
+            WeightQuantCache() if is_weight else None, recipe.scale_pow2,
         )
     return Fp8Quantizers(make(forward, False), make(forward, True), make(backward, False))

@@ -133,9 +133,16 @@ class BlockwiseScaling:
     """Block of weights [N, K]."""
     activation_block: tuple[int, int] = ACTIVATION_BLOCK
     """Block of activations and gradients flattened to [tokens, channels]."""
+    scale_pow2: bool = False
+    """Round every block's scale down to a power of two (UE8M0, as MXFP8 and DeepSeek-V3.1 store
+    them): a block's scale then moves only when its max |x| crosses a power of two, not at every
+    small update (fp32 scales shift all of a block's codes' rounding). CPU tier, no aligned rollout
+    (the rollout's quantization does not round its scales); bench/ratio_noise.py measures it."""
 
     def __post_init__(self) -> None:
         _check_common(self.fp8_format, 0)
+        if not isinstance(self.scale_pow2, bool):
+            raise ValueError(f"scale_pow2 must be true or false, found {self.scale_pow2!r}")
         for name in ("weight_block", "activation_block"):
             block = tuple(getattr(self, name))
             if len(block) != 2 or min(block) < 1:

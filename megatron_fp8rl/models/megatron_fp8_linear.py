@@ -6,7 +6,9 @@ Owns: `Fp8ColumnParallelLinear` / `Fp8RowParallelLinear` (drop-ins for the
 the per-decoder-layer view the rollout alignment needs: `fp8_decoder_linears(model)` (global layer
 number, path, module), `shared_fp8_scales(model)` (the scales a rollout engine must use to
 compute what the next forward computes) and `frozen_fp8_scales(model, scales)` (a pass whose weight and input
-quantizers use given dequant multipliers, e.g. those the rollout engine served), and
+quantizers use given dequant multipliers, e.g. those the rollout engine served),
+`held_fp8_weight_scales(model)` (every FP8 linear's weight scales held at the current weights'
+while the weights move: a step's mini-batches at θ_old's scales) and
 `high_precision_fp8_linears(model)` (a pass with every FP8 linear in high precision: the shadow).
 Must not import: anything above layer L2 (convert, rollout, data, trainer, cli).
 
@@ -44,7 +46,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_fp8rl.compat.versions import check_signature
 from megatron_fp8rl.fp8.gemm import check_recipe_gemm, resolve_gemm
 from megatron_fp8rl.fp8.linear import fp8_linear, load_quantizers_extra_state, quantizers_extra_state
-from megatron_fp8rl.fp8.quantizer import frozen_quantizers, make_quantizers, next_scale
+from megatron_fp8rl.fp8.quantizer import frozen_quantizers, held_weight_scales, make_quantizers, next_scale
 from megatron_fp8rl.fp8.recipe import CalibratedDelayedScaling, Fp8Recipe
 
 
@@ -231,6 +233,32 @@ def frozen_fp8_scales(model: torch.nn.Module, scales: dict[tuple[int, str], tupl
         for layer, path, module in linears:
             module.fp8_quantizers = frozen_quantizers(module.fp8_quantizers, *scales[(layer, path)],
                                                        observe=observe)
+        yield
+    finally:
+        for module, quantizers in saved:
+            module.fp8_quantizers = quantizers
+
+
+@contextmanager
+def held_fp8_weight_scales(model: torch.nn.Module):
+    """Within the block every FP8 linear of `model` quantizes its weight with the scales its live
+    quantizer gives the weight as it is on entry (fp8.quantizer.HeldScaleWeightQuantizer), however
+    the weight moves inside; on exit the live quantizers return. For a step's update
+    (model.fp8_step_weight_scales=frozen): entered at θ_old, the first mini-batch quantizes as the
+    recompute did and the later ones keep θ_old's block scales. ValueError naming a layer whose
+    recipe has no current-scaling weight quantizer, or whose weight is not on the CPU (the device
+    path has no kernel for held scales)."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, _Fp8LinearMixin)]
+    saved = [(module, module.fp8_quantizers) for _, module in linears]
+    try:
+        for name, module in linears:
+            if module.weight.device.type != "cpu":
+                raise ValueError(f"{name}: held FP8 weight scales (model.fp8_step_weight_scales=frozen) run on "
+                                 f"the CPU tier only; the weight is on {module.weight.device}")
+            try:
+                module.fp8_quantizers = held_weight_scales(module.fp8_quantizers, module.weight)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
         yield
     finally:
         for module, quantizers in saved:

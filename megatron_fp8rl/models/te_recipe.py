@@ -177,6 +177,9 @@ def megatron_fp8_fields(recipe: Fp8Recipe) -> dict[str, object]:
     elif isinstance(recipe, CurrentScaling) and recipe.margin:
         raise ValueError(f"margin={recipe.margin}: TE's Float8CurrentScaling, as Megatron builds "
                          "it, has no margin; use margin=0")
+    elif isinstance(recipe, BlockwiseScaling) and recipe.scale_pow2:
+        raise ValueError("scale_pow2=True is not wired to TE (its Float8BlockScaling picks power-of-two "
+                         "scales by an environment variable, not by the recipe); use fp8_backend=ours")
     elif isinstance(recipe, BlockwiseScaling) and (recipe.weight_block, recipe.activation_block) != (
             WEIGHT_BLOCK, ACTIVATION_BLOCK):
         raise ValueError(f"blocks {recipe.weight_block}/{recipe.activation_block}: TE's "

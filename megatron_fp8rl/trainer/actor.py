@@ -28,7 +28,7 @@ from megatron_fp8rl.fp8.quantizer import weights_updated
 from megatron_fp8rl.fp8.serving import Fp8ServingPlan, RolloutFp8, plan_for, require_plan
 from megatron_fp8rl.models.hf import build_conversion_target, build_model_from_hf, check_parallel_layout
 from megatron_fp8rl.models.megatron_attention import sglang_call_layout
-from megatron_fp8rl.models.megatron_fp8_linear import frozen_fp8_scales
+from megatron_fp8rl.models.megatron_fp8_linear import frozen_fp8_scales, held_fp8_weight_scales
 from megatron_fp8rl.models.shadow import high_precision_shadow
 from megatron_fp8rl.rl.logprobs import vocab_parallel_logprobs_and_entropy
 from megatron_fp8rl.rl.noise import NoiseFloor
@@ -212,7 +212,8 @@ class MegatronActor:
         runs the shadow forwards on mini-batch m* and recalibrates (trainer/clip_calibration.py).
         The shadow gate (calibration.mode=gate): the shadow's log π_old of every mini-batch before
         the first optimizer step, its log π_θ of each later one just before it trains; the loss
-        takes each token's clip decision on their ratio (objective.py)."""
+        takes each token's clip decision on their ratio (objective.py). model.fp8_step_weight_scales=
+        frozen: the weights' FP8 scales stay θ_old's through the step (`_step_weight_scales`)."""
         dp_size, calibrator = parallel_state.get_data_parallel_world_size(), self.calibrator
         noise = None if old_logprobs is None else self.objective.noise_floor(batch, old_logprobs)
         minis = split_mini_batches(batch, old_logprobs, self.train_cfg.mini_batches,
@@ -224,26 +225,30 @@ class MegatronActor:
         if target is not None:
             shadow_old = gate_old[target] if gate else self.shadow_logprobs(self._local_micro(minis[target]))
         results, captured = [], []
-        for index, mini in enumerate(minis):
-            micro = self._local_micro(mini)
-            current = None
-            if gate:  # θ = θ_old for the first mini-batch: its shadow ratio is exactly 1
-                current = gate_old[index] if index == 0 else self.shadow_logprobs(micro)
-                micro = _with_shadow(micro, current, gate_old[index])
-            if index == target:
-                shadow = current if current is not None else shadow_old if index == 0 else self.shadow_logprobs(micro)
-            terms = MiniBatchTerms(self.objective.denominator(mini, self.train_cfg.micro_batch_size, dp_size),
-                                   noise, at_old_policy=index == 0, clip_bounds=calibrator and calibrator.calibrated,
-                                   capture=captured if index == target else None)
-            as_served = index == 0 and self.serving.aligned
-            with self._served_fp8() if as_served else nullcontext():
-                losses = forward_backward(self.model, self.optimizer, micro,
-                                          self._forward_as_served if as_served else self._forward,
-                                          partial(self._policy_loss, terms), micro[0].tokens.shape[1], micro[0].size)
-                results.append(step_result(losses, self.optimizer.step()))
-                weights_updated()  # the device path's FP8 weight cache (fp8/device_quantize.py)
-            if noise is None:
-                noise = NoiseFloor.from_metrics(results[0].metrics, self.objective.levels)
+        with self._step_weight_scales():  # θ_old's FP8 weight scales held (model.fp8_step_weight_scales)
+            for index, mini in enumerate(minis):
+                micro = self._local_micro(mini)
+                current = None
+                if gate:  # θ = θ_old for the first mini-batch: its shadow ratio is exactly 1
+                    current = gate_old[index] if index == 0 else self.shadow_logprobs(micro)
+                    micro = _with_shadow(micro, current, gate_old[index])
+                if index == target:
+                    shadow = (current if current is not None else shadow_old if index == 0
+                              else self.shadow_logprobs(micro))
+                terms = MiniBatchTerms(self.objective.denominator(mini, self.train_cfg.micro_batch_size, dp_size),
+                                       noise, at_old_policy=index == 0,
+                                       clip_bounds=calibrator and calibrator.calibrated,
+                                       capture=captured if index == target else None)
+                as_served = index == 0 and self.serving.aligned
+                with self._served_fp8() if as_served else nullcontext():
+                    losses = forward_backward(self.model, self.optimizer, micro,
+                                              self._forward_as_served if as_served else self._forward,
+                                              partial(self._policy_loss, terms), micro[0].tokens.shape[1],
+                                              micro[0].size)
+                    results.append(step_result(losses, self.optimizer.step()))
+                    weights_updated()  # the device path's FP8 weight cache (fp8/device_quantize.py)
+                if noise is None:
+                    noise = NoiseFloor.from_metrics(results[0].metrics, self.objective.levels)
         metrics = _mean_metrics(results)
         if target is not None:
             metrics.update(calibrator.update(*_stacked(captured, shadow, shadow_old), step=step))
@@ -261,6 +266,13 @@ class MegatronActor:
         rows = torch.arange(mini.size).chunk(parallel_state.get_data_parallel_world_size())
         return micro_batches(mini.select(rows[parallel_state.get_data_parallel_rank()]),
                              self.train_cfg.micro_batch_size)
+
+    def _step_weight_scales(self):
+        """The update's FP8 weight scales: model.fp8_step_weight_scales=frozen holds each FP8 linear's
+        at θ_old's (the weights on entry, as the recompute quantized them) through every mini-batch
+        (models/megatron_fp8_linear.held_fp8_weight_scales); live: each forward's own."""
+        frozen = self.model_cfg.fp8_step_weight_scales == "frozen"
+        return held_fp8_weight_scales(self.model) if frozen else nullcontext()
 
     def _served_fp8(self):
         """The update's first forward in the rollout's arithmetic: SGLang's attention calls

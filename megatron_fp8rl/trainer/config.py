@@ -13,7 +13,9 @@ from typing import ClassVar
 
 from megatron_fp8rl.config.renamed import RENAMED_KEYS
 from megatron_fp8rl.data.arithmetic import OPERATIONS
-from megatron_fp8rl.fp8.recipe import RECIPE_NAMES, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name
+from megatron_fp8rl.fp8.recipe import (
+    RECIPE_NAMES, BlockwiseScaling, CurrentScaling, Fp8Recipe, RecipeFieldError, RecipeOverrides, recipe_by_name,
+)
 from megatron_fp8rl.fp8.serving import Fp8ServingPlan, RolloutFp8, plan_for
 from megatron_fp8rl.data.records import DatasetSchema
 from megatron_fp8rl.models.hf import FP8_BACKENDS as MODEL_FP8_BACKENDS
@@ -36,6 +38,7 @@ CLIP_CALIBRATIONS = ("none", "shadow", "monitor", "gate")
 CLIP_CALIBRATION_LEVELS = ("auto", "token", "sequence")
 MODEL_DTYPES = ("float32", "bfloat16")
 REFERENCE_PRECISIONS = ("actor", "bfloat16", "float32")
+STEP_WEIGHT_SCALES = ("live", "frozen")
 ROLLOUT_DTYPES = tuple(dtype for dtype in SGLANG_DTYPES if dtype != "auto")
 """SGLang's dtypes but auto: a run compares the served dtype with model.dtype."""
 
@@ -79,6 +82,12 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter and activation dtype (one of MODEL_DTYPES). bfloat16 is Megatron mixed precision:
     bf16 weights and activations, fp32 master weights, fp32 gradient accumulation and reduction."""
+    fp8_step_weight_scales: str = "live"
+    """The FP8 weight scales of a step's training forwards (STEP_WEIGHT_SCALES): live (from each
+    mini-batch's current weights) or frozen (θ_old's, as the recompute took them, held through the
+    step's mini-batches, so a weight's code moves only where the element itself crosses a rounding
+    boundary; bench/ratio_noise.py). frozen: current-scaling recipes (groupwise32, groupwise,
+    blockwise, tensorwise) with fp8_backend=ours, CPU tier."""
 
     def __post_init__(self):
         _check(self.fp8 in TRAINER_FP8, "model.fp8", f"{self.fp8!r} is not one of {TRAINER_FP8}")
@@ -98,8 +107,22 @@ class ModelConfig:
                 raise ValueError(f"model.fp8_backend: te cannot run model.fp8={self.fp8} as configured "
                                  f"(model.fp8_recipe): {error}; use fp8_backend=ours") from None
         _check(self.dtype in MODEL_DTYPES, "model.dtype", f"{self.dtype!r} is not one of {MODEL_DTYPES}")
+        self._check_step_weight_scales()
         _check(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1, "model",
                "tensor_parallel and pipeline_parallel must be >= 1")
+
+    def _check_step_weight_scales(self) -> None:
+        key = "model.fp8_step_weight_scales"
+        _check(self.fp8_step_weight_scales in STEP_WEIGHT_SCALES, key,
+               f"{self.fp8_step_weight_scales!r} is not one of {STEP_WEIGHT_SCALES}")
+        if self.fp8_step_weight_scales == "live":
+            return
+        _check(self.fp8 != "none", key, "frozen holds FP8 weight scales: set model.fp8")
+        _check(self.fp8_backend == "ours", key, "frozen is wired for our FP8 linear (model.fp8_backend=ours), "
+               "not for TE's layers (te)")
+        _check(isinstance(self.recipe(), (BlockwiseScaling, CurrentScaling)), key,
+               f"frozen holds current-scaling weight scales (groupwise32, groupwise, blockwise, tensorwise); "
+               f"model.fp8={self.fp8} keeps its own weight scaling state, not wired")
 
     def recipe(self) -> Fp8Recipe | None:
         """The trainer's FP8 recipe: the `fp8` recipe with the `fp8_recipe` fields that are set;
@@ -582,6 +605,10 @@ class RunConfig:
                "rollout.dtype", f"{self.rollout.dtype!r} differs from model.dtype={self.model.dtype!r}: "
                f"without FP8 rollouts (rollout.fp8={self.rollout.fp8!r}) SGLang must serve the trainer's "
                "dtype, or every logprob carries the dtype gap; set them equal")
+        _check(not (self.fp8_plan.aligned and self.model.fp8_recipe.scale_pow2), "model.fp8_recipe.scale_pow2",
+               "rollout.fp8=aligned is not wired for power-of-two scales: the rollout's quantization computes "
+               "fp32 block scales, so its logprobs would not be the trainer's; use rollout.fp8=none or "
+               "scale_pow2=false")
         _check(not (self.fp8_plan.aligned and self.model.fp8_backend == "te"), "model.fp8_backend",
                "te with rollout.fp8=aligned is not wired: aligned rollouts serve our FP8 linear's "
                "arithmetic; use model.fp8_backend=ours")

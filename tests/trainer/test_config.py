@@ -212,13 +212,35 @@ def test_fp8_recipe_fields_are_settable_and_checked():
              r"\(fields: fp8_format, margin,"),
             (["model.fp8=groupwise", "model.fp8_recipe.weight_block=[128,128]"],
              r"model.fp8_recipe.weight_block \(model.fp8=groupwise\): not a field of the 'groupwise' recipe "
-             r"\(fields: fp8_format\)"),
+             r"\(fields: fp8_format, scale_pow2\)"),
             (["model.fp8=groupwise32", "model.fp8_recipe.activation_block=[1,128]"],
              r"model.fp8_recipe.activation_block \(model.fp8=groupwise32\): not a field of the 'groupwise32' "
-             r"recipe \(fields: fp8_format\)"),
+             r"recipe \(fields: fp8_format, scale_pow2\)"),
             (["model.fp8_recipe.margin=0"], r"model.fp8_recipe.margin: sets \['margin'\] but model.fp8 is none")):
         with pytest.raises(ConfigError, match=message):
             load_config(RunConfig, None, ["model.hf_path=/x", *overrides])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.fp8_step_weight_scales=held"], r"model.fp8_step_weight_scales: 'held' is not one of \('live', 'frozen'\)"),
+    (["model.fp8_step_weight_scales=frozen"], r"model.fp8_step_weight_scales: frozen holds FP8 weight scales: set model.fp8"),
+    (["model.fp8=calibrated", "model.fp8_step_weight_scales=frozen"],
+     r"model.fp8_step_weight_scales: .* model.fp8=calibrated keeps its own weight scaling state, not wired"),
+    (["model.fp8=groupwise32", "rollout.fp8=aligned", "model.fp8_recipe.scale_pow2=true"],
+     r"model.fp8_recipe.scale_pow2: rollout.fp8=aligned is not wired for power-of-two scales"),
+    (["model.fp8=blockwise", "model.fp8_backend=te", "model.fp8_recipe.scale_pow2=true"],
+     r"model.fp8_backend: te cannot run .* scale_pow2=True is not wired to TE"),
+])
+def test_step_scale_remedies_refuse_what_is_not_wired(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, ["model.hf_path=/x", *overrides])
+
+
+def test_step_scale_remedies_reach_the_model_config():
+    cfg = load_config(RunConfig, None, ["model.hf_path=/x", "model.fp8=groupwise32", "model.fp8_step_weight_scales=frozen",
+                                        "model.fp8_recipe.scale_pow2=true"])
+    assert cfg.model.fp8_step_weight_scales == "frozen" and cfg.model.recipe().scale_pow2
+    assert load_config(RunConfig, None, ["model.hf_path=/x"]).model.fp8_step_weight_scales == "live"
 
 
 @pytest.mark.parametrize("name, history, algo", [("te_delayed", 1024, "max"), ("megatron_delayed", 1, "most_recent")])
