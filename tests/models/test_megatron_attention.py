@@ -197,7 +197,7 @@ def test_the_output_layer_computes_served_tiles_inside_the_layout_only(megatron_
     """Megatron's real ColumnParallelLinear.forward reaches the patched _forward_impl with the
     keywords it reads: inside the layout the logits are the tiles' bits carrying the GEMM's
     gradient (_ValueOf), outside they are Megatron's own GEMM's."""
-    from megatron_fp8rl.fp8.linear import tiled_matmul
+    from megatron_fp8rl.fp8.gemm import tiled_matmul
     from megatron_fp8rl.models.hf import build_model_from_hf
     from tests.helpers.tiny_hf import tiny_hf_config
 
