@@ -12,12 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from megatron_fp8rl.data.rewards import score
 from megatron_fp8rl.rl.metrics import paired_eval_change
 from megatron_fp8rl.rollout.engine import SamplingParams
 from megatron_fp8rl.trainer.config import RunConfig
 from megatron_fp8rl.trainer.rl_step import StepContext, timed
+
+
+EVAL_CHUNK = 100
+"""Held-out prompts per engine call: the console shows the eval's progress a chunk at a time (500
+greedy answers take minutes on the CPU tier). Greedy answers do not depend on the chunking
+(tests/rollout/test_eval_batch_invariance.py)."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,15 @@ def eval_count(cfg: RunConfig, step: int) -> int:
 
 
 def evaluate(ctx: StepContext, prompts: list[list[int]], answers: list[str]) -> list[bool]:
-    """Greedy correctness per held-out prompt (rank 0 generates; the result is broadcast)."""
+    """Greedy correctness per held-out prompt (rank 0 generates, EVAL_CHUNK prompts a call, with a
+    progress bar; the result is broadcast)."""
     correct: list = [None]
     if ctx.engine is not None:
         sampling = SamplingParams(temperature=0.0, max_new_tokens=ctx.cfg.rollout.max_new_tokens)
-        samples = ctx.engine.generate(prompts, sampling, n=1)
+        samples = []
+        for start in tqdm(range(0, len(prompts), EVAL_CHUNK), desc=f"eval {len(prompts)} problems", leave=False,
+                          unit="chunk"):
+            samples += ctx.engine.generate(prompts[start:start + EVAL_CHUNK], sampling, n=1)
         rewards, _ = score(ctx.reward_fn, [ctx.decode(s.token_ids) for s in samples], answers,
                            timeout_s=ctx.cfg.data.reward_timeout_s)
         correct = [[bool(r > 0) for r in rewards]]

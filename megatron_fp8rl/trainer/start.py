@@ -104,7 +104,7 @@ def plan_lines(cfg: RunConfig, train_size: int, eval_size: int) -> list[str]:
             f"(<= {rollout.max_new_tokens} tokens), {cfg.algorithm.name}, lr {train_cfg.lr:g}; {evals}",
             f"logs   {run_dir / 'tb'} (tensorboard --logdir {run_dir / 'tb'}), "
             f"{run_dir / 'summary.json'}, trained model {run_dir / 'hf'}",
-            "setup  converting the checkpoint, starting SGLang, first eval (a minute or two)"]
+            "setup  converting the checkpoint, starting SGLang, the first eval (a few minutes on CPU)"]
 
 
 def start_run(cfg: RunConfig, rank: int, tokenizer, train_records: list[PromptRecord]) -> StepContext:
