@@ -125,6 +125,7 @@ def test_kit_warms_every_item_first_records_a_failure_writes_after_each_and_stop
     out, seen, order = tmp_path / "kit.json", [], []
 
     def failing(ctx, warmed):
+        order.append("measure")
         raise ValueError("no FP8 kernel for this")
 
     def reads_the_file(ctx, warmed):
@@ -136,7 +137,7 @@ def test_kit_warms_every_item_first_records_a_failure_writes_after_each_and_stop
     items = {"boom": gpu_smoke.Item(lambda ctx: order.append("warm"), failing),
              "next": gpu_smoke.Item(lambda ctx: order.append("warm") or 7, reads_the_file)}
     results = gpu_smoke.run_part(items, ctx, {}, out)
-    assert order == ["warm", "warm", "measure"]
+    assert order == ["warm", "warm", "measure", "measure"]
     assert results["boom"]["status"] == "failed" and results["boom"]["error"] == "ValueError: no FP8 kernel for this"
     assert seen[0]["boom"]["status"] == "failed" and results["next"]["result"] == 7
     assert json.loads(out.read_text()) == results and len(results["targets"]) == TARGETS
