@@ -198,6 +198,8 @@ def _linear_calls(ctx: Context, shape: str):
 def _warm_linears(ctx: Context) -> None:
     for shape in ctx.size["shapes"]:
         for variant in _linear_calls(ctx, shape).values():
+            if ctx.left() < 0:  # the time guard: what was not warmed is skipped by its measurement too
+                return
             for call in variant.values():
                 call()
         _sync(ctx.device)
@@ -397,9 +399,10 @@ def _served(ctx: Context, stack: dict[str, torch.Tensor]):
 
 def _receiver(conn, device_name: str) -> None:
     """The spawned side of the sync: per bucket, rebuild it, copy each tensor out into its own
-    tensor (allocated at the first sync), answer the seconds; an empty message ends it."""
+    tensor (allocated at the first sync), answer the seconds; b"end" ends it, answered with the
+    byte sums of what it holds."""
     device, targets = torch.device(device_name), {}
-    while message := conn.recv_bytes():
+    while (message := conn.recv_bytes()) != b"end":
         start = time.perf_counter()
         flat, layout = pickle.loads(message)
         for key, low, high in layout:
@@ -409,6 +412,23 @@ def _receiver(conn, device_name: str) -> None:
         _sync(device)
         del flat
         conn.send(time.perf_counter() - start)
+    conn.send(_digest(targets.items()))
+
+
+def _digest(named_bytes) -> dict[str, int]:
+    """{name: sum of its bytes} (int64): what the receiver holds, against what was sent."""
+    return {name: int(data.sum(dtype=torch.int64)) for name, data in named_bytes}
+
+
+def _sent_digest(ctx: Context, stack) -> dict[str, int]:
+    """`_digest` of the served stream as the buckets cut it (vocabulary row chunks by name@row)."""
+    from megatron_fp8rl.rollout.weight_transfer import RowChunk, iter_transfer_parts
+
+    named = []
+    for part in iter_transfer_parts(_served(ctx, stack), ctx.size["bucket_bytes"]):
+        bucket = [(f"{part.name}@{part.start}", part.rows)] if isinstance(part, RowChunk) else part
+        named += [(name, t.detach().contiguous().reshape(-1).view(torch.uint8)) for name, t in bucket]
+    return _digest(named)
 
 
 def _send_sync(ctx: Context, stack, conn, buffer) -> tuple[float, float, int]:
@@ -447,13 +467,14 @@ def _measure_sync(ctx: Context, _warmed) -> dict[str, object]:
     ours, theirs = context.Pipe()
     receiver = context.Process(target=_receiver, args=(theirs, str(ctx.device)), daemon=True)
     receiver.start()
-    syncs = []
+    syncs, received = [], None
     try:
         for _ in range(1 + ctx.size["sync_rounds"]):
             if ctx.left() < 0:
                 break
             syncs.append(_send_sync(ctx, stack, ours, buffer))
-        ours.send_bytes(b"")
+        ours.send_bytes(b"end")
+        received = ours.recv()
     finally:
         receiver.join(timeout=60)
         if receiver.is_alive():
@@ -464,6 +485,7 @@ def _measure_sync(ctx: Context, _warmed) -> dict[str, object]:
             "quantize_s": None if quantize_s is None else quantize_s / 1e3,
             "sync_s": statistics.median(s for s, _, _ in timed) if timed else None,
             "receiver_copy_s": statistics.median(c for _, c, _ in timed) if timed else None,
+            "bit_equal": bool(syncs) and received == _sent_digest(ctx, stack),
             "not_timed": "the publisher's gather (a 36-layer Megatron model) and SGLang's load (no SGLang)",
             "exit_code": receiver.exitcode}
 

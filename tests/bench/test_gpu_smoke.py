@@ -76,7 +76,7 @@ def test_smoke_kit_both_parts_run_the_device_path_with_only_the_gpu_machines_pac
     _check_gemm(parts["1"]["gemm"]["result"])
     _check_step(parts["2"]["step"]["result"])
     sync = parts["2"]["sync"]["result"]  # the spawned receiver got every bucket and exited
-    assert sync["exit_code"] == 0 and sync["sync_s"] > sync["receiver_copy_s"] > 0 and sync["quantize_s"] > 0
+    assert sync["exit_code"] == 0 and sync["bit_equal"] and sync["sync_s"] > sync["receiver_copy_s"] > 0 and sync["quantize_s"] > 0
     assert 0 < sync["sent_gb"] < sync["stack_gb"]  # FP8 linears: fewer bytes than the bf16 stack
     targets = _targets(tmp_path)
     assert len(targets) == TARGETS and all(row["status"] in ("met", "not met", "not measured") for row in targets)
