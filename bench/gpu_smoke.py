@@ -71,11 +71,12 @@ SIZES = {
                  probe_ms=(1, 2, 3, 7, 17, 64, 333, 1000), bucket_bytes=512 << 20, sync_rounds=2,
                  shapes=("qkv", "o", "gate_up", "down")),
     "tiny": dict(tokens=64, batch=(2, 16), step_layers=2, step_vocab=128, steps=3, invariance_m=80,
-                 probe_ms=(1, 2, 3, 17, 65), bucket_bytes=64 << 10, sync_rounds=1, shapes=("down",)),
+                 probe_ms=(1, 2, 3, 17, 65), bucket_bytes=16 << 10, sync_rounds=1, shapes=("down",)),
 }
 """Per run size: linear tokens, micro-batch x sequence of the step, decoder layers and vocabulary of
-the step, timed steps after the first, GEMM invariance M and probes, sync bucket bytes and timed
-syncs, the linear shapes timed (tiny: the ragged one; the interpreter is slow)."""
+the step, timed steps after the first, GEMM invariance M and probes, sync bucket bytes (tiny: below
+the vocabulary tensors' 32 KiB, so they go in row chunks as at full size) and timed syncs, the
+linear shapes timed (tiny: the ragged one; the interpreter is slow)."""
 LINEAR_GEMMS = ("auto", "batch_invariant")
 LINEAR_MODES = ("fwd_warm", "fwd_cold", "fwd_bwd_warm", "fwd_bwd_cold")
 GEMM_LAYOUTS = {  # name: (activation block, weight block), None: per tensor
@@ -217,7 +218,7 @@ def _measure_linears(ctx: Context, _warmed) -> dict[str, object]:
         for variant, modes in calls.items():
             timed = {mode: _ms(call, ctx) for mode, call in modes.items()}
             for mode in LINEAR_MODES:
-                base = bf16["fwd" if mode.startswith("fwd_w") or mode.startswith("fwd_c") else "fwd_bwd"]
+                base = bf16["fwd_bwd" if mode.startswith("fwd_bwd") else "fwd"]
                 figure = timed[mode]
                 timed[f"speedup_{mode}"] = None if figure is None or base is None else base / figure
             row["variants"][variant] = timed
@@ -546,7 +547,7 @@ def _write(results: dict, out: Path | None) -> None:
 
 def _result(results: dict, name: str) -> dict:
     entry = results.get(name, {})
-    return entry.get("result") or {} if entry.get("status") == "ok" else {}
+    return (entry.get("result") or {}) if entry.get("status") == "ok" else {}
 
 
 def _linear_target(results: dict, recipes: tuple[str, ...]) -> tuple[float | None, str]:
