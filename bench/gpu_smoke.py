@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import multiprocessing
@@ -337,6 +338,7 @@ def _step_run(ctx: Context, recipe) -> dict[str, object]:
     tokens = torch.randint(0, hf["vocab_size"], (micro, seq + 1), generator=gen).to(device)
     data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
             "position_ids": torch.arange(seq, device=device).expand(micro, seq)}
+    gc.collect()  # the other variant's model and optimizer (Megatron's DDP holds cycles): not in this peak
     torch.manual_seed(0)
     model = wrap_ddp(build_model_from_hf(hf, params_dtype=torch.bfloat16, fp8_recipe=recipe), True)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4))
