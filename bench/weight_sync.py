@@ -75,7 +75,7 @@ The speed target (tensor >= 0.5x memcpy) is missed, and out of reach of a sync t
 buffer on this CPU. Such a sync copies the bytes in and SGLang copies them out, and the check
 reads them once more. Those three passes alone, in one process with nothing else
 (`three_pass_floor_vs_memcpy`), reach 0.29-0.36x (smollm2) and 0.43x (qwen3-8b-layers fp8, vocab
-151936). The transport alone, no check and no SGLang (`python bench/gpu_smoke.py --only weight_ipc`: one
+151936). The transport alone, no check and no SGLang (the earlier kit's `weight_ipc` item, now inside `bench/gpu_smoke.py --part 2`'s sync: one
 Qwen3-8B layer, 336 MB, copied into the kept shared buffer, pickled by torch's reductions, copied
 out in a spawned process), reached 0.30x and 0.36x in two runs. Its receiver's copy out of a
 freshly mapped segment took 0.045-0.052 s against 0.025 s for memcpy. The tensor transfer now
