@@ -41,6 +41,7 @@ from megatron_fp8rl.config.loader import defaults
 from megatron_fp8rl.config.renamed import renamed_key
 from megatron_fp8rl.convert.integrity import hf_fingerprint
 from megatron_fp8rl.convert.outputs import writable_problem
+from megatron_fp8rl.rl.step_cost import dotted
 
 PROVENANCE = "provenance.json"
 RESUMABLE_KEYS = ("run_dir", "model.hf_path", "checkpoint.dir", "train.steps")
@@ -58,21 +59,11 @@ class RunDirBusyError(RunDirError):
     """Another run, still alive, holds the run directory's lock."""
 
 
-def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_dotted(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _record(cfg) -> dict[str, Any]:
     config = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples and lists compare alike
     return {"model.hf_path": str(Path(cfg.model.hf_path).resolve()),
             "model_fingerprint": hf_fingerprint(Path(cfg.model.hf_path)),
-            "config": _dotted(config)}
+            "config": dotted(config)}
 
 
 def _model_mismatch(run_dir: Path, old: dict, new: dict) -> str:
@@ -115,7 +106,7 @@ def check_run_dir(cfg) -> dict[str, Any]:
     old = json.loads(path.read_text())
     if old["model_fingerprint"] != record["model_fingerprint"]:
         raise RunDirError(_model_mismatch(run_dir, old, record))
-    default = _dotted(json.loads(json.dumps(defaults(type(cfg)))))
+    default = dotted(json.loads(json.dumps(defaults(type(cfg)))))
     config_error = _config_mismatch(run_dir, old["config"], record["config"], default)
     if config_error and not cfg.train.resume_changed_config:
         raise RunDirError(config_error)
