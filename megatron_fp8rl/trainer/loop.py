@@ -48,7 +48,9 @@ def train(cfg: RunConfig, rank: int) -> dict[str, float]:
             begin = time.perf_counter()
             # seconds_setup: conversion, engine start, the first eval; seconds: the steps after it
             summary["seconds_setup"] = begin - setup_begin
-            _log(writer, {**ctx.setup_timings, **step_cost_metrics(cfg)}, start)
+            _log(writer, ctx.setup_timings, start)
+            if not start:  # once per run: a resumed run's step logs equal the uninterrupted run's
+                _log(writer, step_cost_metrics(cfg), 0)
             summary.update({k.replace("time/", "seconds_").removesuffix("_s"): v
                             for k, v in ctx.setup_timings.items()})
             bar = tqdm(range(start + 1, cfg.train.steps + 1), desc="rl", disable=rank != 0, initial=start,
