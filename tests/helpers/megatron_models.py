@@ -1,10 +1,12 @@
-"""An HF checkpoint folder converted and loaded into Megatron (TP=1, PP=1), and its logits."""
+"""An HF checkpoint folder converted and loaded into Megatron (TP=1, PP=1), and its logits; a tiny
+random Llama with its torch_dist conversion."""
 import json
 
 import torch
 
 from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
-from megatron_fp8rl.models.hf import build_model_from_hf
+from megatron_fp8rl.models.hf import build_conversion_target, build_model_from_hf
+from tests.helpers.tiny_models import build_tiny_model
 
 
 def megatron_from_hf_dir(hf_dir, tmp_path, params_dtype=torch.float32):
@@ -24,3 +26,12 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         return model(tokens, positions, None)
+
+
+def converted_tiny_llama(hf_dir, out):
+    """A tiny random Llama written to `hf_dir` and converted to torch_dist at `out` (the layout of
+    the running process group, as the trainer converts its start checkpoint); returns `hf_dir`."""
+    model = build_tiny_model("llama", hf_dir)
+    hf_config = json.loads((model / "config.json").read_text())
+    convert_hf_to_megatron(model, out, build_conversion_target(hf_config).sharded_state_dict(), progress=False)
+    return model

@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
-from megatron_fp8rl.models.hf import build_conversion_target
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.fp8_observation import calibration_forward
 from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.objective import Objective
+from tests.helpers.megatron_models import converted_tiny_llama
 from tests.helpers.processes import run_torchrun
 from tests.helpers.tiny_hf import save_tiny_hf
-from tests.helpers.tiny_models import build_tiny_model
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "actor_weights.py"
 
@@ -29,11 +27,7 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "actor_weights.py"
 def converted(megatron_tp1, tmp_path_factory):
     """(HF folder, its torch_dist conversion) of a tiny random Llama."""
     root = tmp_path_factory.mktemp("actor_weights")
-    model = build_tiny_model("llama", root / "hf")
-    hf_config = json.loads((model / "config.json").read_text())
-    convert_hf_to_megatron(model, root / "init", build_conversion_target(hf_config).sharded_state_dict(),
-                           progress=False)
-    return model, root / "init"
+    return converted_tiny_llama(root / "hf", root / "init"), root / "init"
 
 
 @pytest.mark.parametrize("fp8", ["none", "calibrated"])

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_fp8rl.convert.hf_to_megatron import convert_hf_to_megatron
-from megatron_fp8rl.models.hf import build_conversion_target
 from megatron_fp8rl.config.loader import load_config
 from megatron_fp8rl.rl.advantages import grpo_advantages
 from megatron_fp8rl.rollout.engine import RolloutSample
@@ -22,9 +20,9 @@ from megatron_fp8rl.trainer.config import AlgorithmConfig, KLConfig, ModelConfig
 from megatron_fp8rl.trainer.objective import Objective
 from megatron_fp8rl.trainer.reference import ReferenceMismatchError, ReferencePolicy, build_reference
 from megatron_fp8rl.trainer.rl_step import StepContext, _make_batch, _with_reference
+from tests.helpers.megatron_models import converted_tiny_llama
 from tests.helpers.processes import run_torchrun
 from tests.helpers.tiny_hf import save_tiny_hf
-from tests.helpers.tiny_models import build_tiny_model
 
 MICRO_BATCH = 2
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "reference_layouts.py"
@@ -34,10 +32,7 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "reference_layouts.py
 def converted(megatron_tp1, tmp_path_factory):
     """(HF folder, run directory holding its torch_dist conversion as init_megatron)."""
     root = tmp_path_factory.mktemp("reference")
-    model = build_tiny_model("llama", root / "hf")
-    hf_config = json.loads((model / "config.json").read_text())
-    convert_hf_to_megatron(model, root / "run" / "init_megatron",
-                           build_conversion_target(hf_config).sharded_state_dict(), progress=False)
+    model = converted_tiny_llama(root / "hf", root / "run" / "init_megatron")
     return model, root / "run"
 
 
