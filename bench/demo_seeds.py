@@ -62,6 +62,12 @@ def run_seed(seed: int, runs: Path, out: Path, extra: list[str]) -> None:
     (out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
+def eval_size(out: Path) -> int:
+    """How many held-out problems a finished seed was scored on (its last eval's per-problem list)."""
+    evals = json.loads((out / "eval_correct.json").read_text())
+    return len(evals[max(evals, key=int)])
+
+
 def seed_row(out: Path) -> tuple[str, float]:
     """(the table row of one finished seed, its accuracy gain)."""
     summary = json.loads((out / "summary.json").read_text())
@@ -80,7 +86,11 @@ def write_table(results: Path) -> str:
     if not finished:
         raise SystemExit(f"[demo_seeds] no finished seed under {results}")
     rows, gains = zip(*(seed_row(p) for p in finished))
-    lines = ["| seed | held-out accuracy (100 problems) | gained / lost | McNemar p | wall | load at start |",
+    sizes = sorted({eval_size(p) for p in finished})
+    if len(sizes) > 1:
+        raise SystemExit(f"[demo_seeds] the seeds under {results} were scored on different held-out sets "
+                         f"({sizes} problems): rerun the older ones (--rerun --seeds ...)")
+    lines = [f"| seed | held-out accuracy ({sizes[0]} problems) | gained / lost | McNemar p | wall | load at start |",
              "|---|---|---|---|---|---|", *rows, "",
              f"gain over {len(gains)} seeds: min {min(gains):+.3f}, median {statistics.median(gains):+.3f}, "
              f"max {max(gains):+.3f}"]

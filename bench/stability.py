@@ -27,7 +27,9 @@ groupwise32_bf16_gate and groupwise32_bf16_tis. Seeds: 3 for bf16, float32 and t
 but the bf16-trainer ones (groupwise32_bf16: 3 in harsh, 2 in moderate; its gate and TIS arms 2), 2 for
 the others, 1 for v2's extra arms; each report's preamble lists them. Regime equivalence (issue 61,
 results/equivalence/moderate4): moderate4 with 500 held-out problems the same for every seed, float32,
-groupwise32, groupwise32_gate and groupwise32_wide_low (6 seeds), bf16_tis and groupwise32_bf16_tis (3);
+groupwise32, groupwise32_gate, groupwise32_wide_low and the remedy groupwise32_gate_every9 (the gate on
+one step in 9: 4.9% extra compute) (6 seeds), bf16_tis, groupwise32_bf16_tis and
+groupwise32_bf16_tis_gate_every9 (3);
 its margin (±5 points) and primary comparisons are in study/arms.py, its verdict table in
 results/equivalence/equivalence.md (written by every invocation of the regime and by --equivalence).
 Output: <study-dir>/<arm>/seed<k>/ (a run directory each, train.log), <study-dir>/timings.json,

@@ -51,7 +51,7 @@ def _p(value: float, tested: bool) -> str:
 
 def _extra(cost: ArmCost) -> str:
     passes = cost.passes
-    text = f"{passes.extra_forward:+.2f} fwd, {passes.extra_backward:+.2f} bwd ({100 * passes.extra_share:+.0f}%)"
+    text = f"{passes.extra_forward:+.2f} fwd, {passes.extra_backward:+.2f} bwd ({100 * passes.extra_share:+.1f}%)"
     return text + (f"; monitor {passes.monitor:.2f} fwd" if passes.monitor else "")
 
 

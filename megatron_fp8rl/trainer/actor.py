@@ -212,14 +212,15 @@ class MegatronActor:
         runs the shadow forwards on mini-batch m* and recalibrates (trainer/clip_calibration.py).
         The shadow gate (calibration.mode=gate): the shadow's log π_old of every mini-batch before
         the first optimizer step, its log π_θ of each later one just before it trains; the loss
-        takes each token's clip decision on their ratio (objective.py). model.fp8_step_weight_scales=
+        takes each token's clip decision on their ratio (objective.py); on the steps calibration.
+        gate_every leaves out, none of it (the plain FP8 decision). model.fp8_step_weight_scales=
         frozen: the weights' FP8 scales stay θ_old's through the step (`_step_weight_scales`)."""
         dp_size, calibrator = parallel_state.get_data_parallel_world_size(), self.calibrator
         noise = None if old_logprobs is None else self.objective.noise_floor(batch, old_logprobs)
         minis = split_mini_batches(batch, old_logprobs, self.train_cfg.mini_batches,
                                    dp_size * self.train_cfg.micro_batch_size)
         target = calibrator.batch_index(len(minis)) if calibrator is not None and calibrator.due(step) else None
-        gate = self.objective.algo.calibration.mode == "gate"
+        gate = calibrator is not None and calibrator.gates(step)  # mode=gate, on a gated step (gate_every)
         # the shadow's log π_old before any optimizer step: of m* (calibration), of every mini-batch (gate)
         gate_old = [self.shadow_logprobs(self._local_micro(mini)) for mini in minis] if gate else None
         if target is not None:
@@ -254,6 +255,8 @@ class MegatronActor:
             metrics.update(calibrator.update(*_stacked(captured, shadow, shadow_old), step=step))
         if calibrator is not None:
             metrics.update(calibrator.metrics())
+            if calibrator.gated:
+                metrics["clip/gated"] = float(gate)
         return metrics
 
     def _policy_loss(self, terms: MiniBatchTerms, batch: RolloutBatch, logits: torch.Tensor):

@@ -22,7 +22,9 @@ before`) but keeps the configured bounds: the measurement of a plain-FP8 run (th
 calibration.mode=gate (ours) keeps the configured bounds too, but the loss takes every token's clip
 decision on the shadow's ratio (actor.update runs the shadow on every mini-batch): the diagnostic
 of the decisions taken is then the shadow's against itself, logged as clip/*_before (0 over-clip
-by construction), and what the FP8 ratio would have clipped goes to clip/*_fp8.
+by construction), and what the FP8 ratio would have clipped goes to clip/*_fp8. With
+calibration.gate_every = k the gate runs on steps 1, k + 1, ... only (`gates`); the steps between
+train as mode=none (no shadow forward, clip decided on the FP8 ratio), logged as clip/gated 0.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class ClipCalibrator:
         self.gated = algo.calibration.mode == "gate"
         """The loss takes its clip decisions on the shadow's ratio (actor.update): the diagnostic of
         the decisions taken is the shadow's own (no over-clip), the FP8 ratio's goes to clip/*_fp8."""
+        self.gate_every = algo.calibration.gate_every
         self.rule, self.noise_tail = algo.calibration.rule, algo.calibration.noise_tail
         self.overclip_budget = algo.calibration.overclip_budget
         self.calibrated: ClipBounds | None = None
@@ -68,9 +71,15 @@ class ClipCalibrator:
         self.last: Calibration | None = None
         self.record_dir = record_dir
 
+    def gates(self, step: int) -> bool:
+        """Whether RL step `step` (1-based) runs the gate (mode=gate; the first step, then every
+        `gate_every` steps)."""
+        return self.gated and (step - 1) % self.gate_every == 0
+
     def due(self, step: int) -> bool:
-        """Whether RL step `step` (1-based) calibrates: the first, then every `every` steps."""
-        return (step - 1) % self.every == 0
+        """Whether RL step `step` (1-based) calibrates: the first, then every `every` steps; under
+        the gate only a gated step (its shadow forwards are the ones the diagnostic reads)."""
+        return (step - 1) % self.every == 0 and (not self.gated or self.gates(step))
 
     @staticmethod
     def batch_index(mini_batches: int) -> int:

@@ -21,7 +21,7 @@ def test_rows_show_the_interval_the_verdict_and_the_cost():
                         _comparison("one", ("1",), (-0.034,)), _comparison("none", (), ())],
                        {"gate": gate, "one": float32, "none": float32})
     assert rows[2] == ("| gate | float32 | 2 | +0.0 [-1.2, +1.2] | [-1.0, +2.0] | 0.03 | 1 | equivalent "
-                       "| +1.50 fwd, +0.00 bwd (+38%) | 1.14 / 1.04 / 0.90 |")
+                       "| +1.50 fwd, +0.00 bwd (+37.5%) | 1.14 / 1.04 / 0.90 |")
     assert rows[3].startswith("| one | float32 | 1 | -3.4 (1 seed pair, no interval) | [-1.0, +2.0] | — | — |")
     assert rows[3].endswith("| — |")  # a float32 trainer: no GPU projection
     assert rows[4].startswith("| none | float32 | 0 | no runs yet | — | — | — | not shown | +0.00 fwd")

@@ -36,6 +36,25 @@ def test_calibrated_clipping_pays_two_mini_batch_forwards_per_calibration_and_mo
     assert step_passes(_shape(4, recompute=False)).extra_forward == -1.0  # bypass saves the recompute
 
 
+@pytest.mark.parametrize("m, gate_every", [(4, 9), (2, 3), (1, 20)])
+def test_a_gate_on_one_step_in_k_pays_a_kth_of_the_gates_shadow_forwards(m, gate_every):
+    """calibration.gate_every = k: the gated step's (2M - 1)/M shadow forwards once in k steps; the
+    equivalence study's remedy (k = 9, M = 4) stays within issue 61's 5% of a plain FP8 step."""
+    every = step_passes(StepShape(m, "gate", 1, True, "fp8", gate_every))
+    assert every.shadow == pytest.approx((2 * m - 1) / m / gate_every)
+    assert every.extra_share == pytest.approx(step_passes(_shape(m, "gate")).extra_share / gate_every)
+    if (m, gate_every) == (4, 9):
+        assert every.extra_share == pytest.approx(0.0486, abs=5e-5) and every.extra_share <= 0.05
+        assert step_passes(StepShape(4, "gate", 1, True, "fp8", 8)).extra_share > 0.05  # 9 is the smallest k
+    values = _values(arm_config(["model.hf_path=m", f"train.mini_batches={m}", "model.fp8=groupwise32",
+                                 "algorithm.calibration.mode=gate", f"algorithm.calibration.gate_every={gate_every}"]))
+    assert step_shape(values).gate_every == gate_every
+    del values["algorithm.calibration.gate_every"]  # a config.yaml written before the key: every step gated
+    assert step_shape(values).gate_every == 1
+    with pytest.raises(StepCostError, match="gate_every .* for mode=gate only, got 9 with mode 'shadow'"):
+        StepShape(4, "shadow", 1, True, "fp8", 9)
+
+
 @pytest.mark.parametrize("m, speedup, expected", [(2, 1.5, 1.04), (4, 1.5, 1.10), (2, 1.9, 0.90), (4, 1.9, 0.96)])
 def test_the_projected_gated_step_matches_the_issues_hand_worked_figures(m, speedup, expected):
     """Issue 61: "at s = 1.5 the gated FP8 step costs 1.04x (M = 2) / 1.10x (M = 4) a bf16 step;

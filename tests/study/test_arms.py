@@ -10,6 +10,7 @@ from megatron_fp8rl.study.arms import (
     FULL, QUICK, REGIMES, SEEDS, V3_REGIMES, Setting, parse_added_setting, preamble, runs_of, select_settings,
     study_settings,
 )
+from megatron_fp8rl.study.equivalence import arm_cost
 from tests.helpers.study_runs import arm_config
 
 
@@ -154,12 +155,14 @@ def test_the_equivalence_study_is_written_down_before_its_runs():
     regime = REGIMES["equivalence"]
     seeds = {arm.name: arm.seeds for arm in regime.arms}
     assert seeds == {"float32": 6, "groupwise32": 6, "groupwise32_gate": 6, "groupwise32_wide_low": 6,
-                     "bf16_tis": 3, "groupwise32_bf16_tis": 3}
+                     "groupwise32_gate_every9": 6, "bf16_tis": 3, "groupwise32_bf16_tis": 3,
+                     "groupwise32_bf16_tis_gate_every9": 3}
     assert regime.seeds == (1, 2, 3, 4, 5, 6) and regime.study_dir == "results/equivalence/moderate4"
     study = regime.equivalence
     assert (study.margin, study.alpha, study.same_problems, study.preregistered) == (0.05, 0.05, True, True)
     assert study.comparisons == (("float32", "groupwise32"), ("float32", "groupwise32_gate"),
-                                 ("float32", "groupwise32_wide_low"), ("bf16_tis", "groupwise32_bf16_tis"))
+                                 ("float32", "groupwise32_wide_low"), ("float32", "groupwise32_gate_every9"),
+                                 ("bf16_tis", "groupwise32_bf16_tis"), ("bf16_tis", "groupwise32_bf16_tis_gate_every9"))
     by_name = {arm.name: arm_config([f"{k}={v}" for k, v in regime.sizes.items()] + ["model.hf_path=m", *arm.overrides],
                                     regime.common) for arm in regime.arms}
     plain = by_name["groupwise32"]
@@ -169,7 +172,19 @@ def test_the_equivalence_study_is_written_down_before_its_runs():
     assert (wide.algorithm.clip.low, wide.algorithm.clip.high) == (0.4, 0.2)
     wide.algorithm.clip.low = 0.2
     assert wide == plain
-    assert by_name["groupwise32_gate"].algorithm.calibration.mode == "gate"
+    gate = by_name["groupwise32_gate"]
+    assert (gate.algorithm.calibration.mode, gate.algorithm.calibration.gate_every) == ("gate", 1)
+    remedy = by_name["groupwise32_gate_every9"]  # the gate arm on one step in 9, nothing else changed
+    assert remedy.algorithm.calibration.gate_every == 9
+    remedy.algorithm.calibration.gate_every = 1
+    assert remedy == gate
+    remedy_cost = arm_cost(regime, next(a for a in regime.arms if a.name == "groupwise32_gate_every9"), {})
+    assert remedy_cost.passes.extra_share == pytest.approx(7 / 4 / 9 / 4) and remedy_cost.passes.extra_share <= 0.05
+    bf16_remedy = by_name["groupwise32_bf16_tis_gate_every9"]
+    assert (bf16_remedy.algorithm.calibration.mode, bf16_remedy.algorithm.calibration.gate_every) == ("gate", 9)
+    bf16_remedy.algorithm.calibration.mode, bf16_remedy.algorithm.calibration.gate_every = "none", 1
+    bf16_remedy.algorithm.calibration.record = False
+    assert bf16_remedy == by_name["groupwise32_bf16_tis"]
     assert (by_name["float32"].model.fp8, by_name["float32"].model.dtype) == ("none", "float32")
     reference, fp8 = by_name["bf16_tis"], by_name["groupwise32_bf16_tis"]  # the pair differs only in FP8
     assert (reference.model.dtype, reference.algorithm.correction, reference.algorithm.calibration.mode) == (

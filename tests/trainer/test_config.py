@@ -342,3 +342,17 @@ def test_the_shadow_gate_refuses_what_it_is_not_wired_for(override, found):
     with pytest.raises(ConfigError, match=rf"algorithm.calibration.mode: gate is wired for token-level ratios with "
                                           rf"old_policy=decoupled .*got {found}"):
         load_config(RunConfig, None, [*base, override, *extra])
+
+
+@pytest.mark.parametrize("mode", ["none", "shadow", "monitor"])
+def test_gate_every_is_refused_without_the_gate(mode):
+    """calibration.gate_every thins the gate's steps; under any other mode it would be silently
+    ignored, so it is refused by name (and a gate_every below 1 under the gate too)."""
+    base = ["model.hf_path=/x", "model.fp8=groupwise32", "algorithm.name=grpo"]
+    gated = load_config(RunConfig, None, [*base, "algorithm.calibration.mode=gate", "algorithm.calibration.gate_every=9"])
+    assert gated.algorithm.calibration.gate_every == 9
+    with pytest.raises(ConfigError, match=rf"algorithm.calibration.gate_every: is wired for mode=gate only, "
+                                          rf"got mode={mode} with gate_every=9"):
+        load_config(RunConfig, None, [*base, f"algorithm.calibration.mode={mode}", "algorithm.calibration.gate_every=9"])
+    with pytest.raises(ConfigError, match="algorithm.calibration.gate_every: must be >= 1, got 0"):
+        load_config(RunConfig, None, [*base, "algorithm.calibration.mode=gate", "algorithm.calibration.gate_every=0"])

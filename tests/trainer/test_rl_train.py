@@ -343,3 +343,19 @@ def test_the_shadow_gate_takes_the_clip_decisions_of_the_shadows_ratio(tiny_run_
     # the diagnostic of the decisions taken: no over-clip; what the FP8 ratio would have over-clipped, beside it
     assert scalars["clip/neg_overclip_before"] and all(v == 0 for v in scalars["clip/neg_overclip_before"])
     assert max(scalars["clip/neg_overclip_fp8"]) > 0
+
+
+@pytest.mark.multiprocess
+def test_a_gate_on_one_step_in_k_runs_the_shadow_on_those_steps_only(tiny_run_inputs, tmp_path):
+    """algorithm.calibration.gate_every=2 over 3 steps: steps 1 and 3 are gated (their shadow
+    forwards recorded, clip/gated 1), step 2 trains as mode=none does (no shadow forward, no record,
+    clip/gated 0); the configured bounds stay in force throughout."""
+    run_train(tiny_run_inputs, tmp_path, 1, "model.fp8=calibrated", "algorithm.calibration.mode=gate",
+              "algorithm.calibration.gate_every=2", "algorithm.calibration.every=1",
+              "algorithm.calibration.record=true", "train.mini_batches=2", "train.micro_batch_size=4",
+              "train.steps=3", "train.eval_every=0", "algorithm.dynamic_sampling=false")
+    scalars = tb_scalars(tmp_path)
+    assert scalars["clip/gated"] == [1.0, 0.0, 1.0]
+    assert scalars["clip/calibrations"] == [1.0, 1.0, 2.0]  # the diagnostic read the gated steps' shadows only
+    records = sorted(path.name for path in (tmp_path / "calibration").glob("*.safetensors"))
+    assert records == ["step_00001.safetensors", "step_00003.safetensors"]
