@@ -4,6 +4,13 @@ under results/demo/seedN, and the table README quotes written from them (results
     python bench/demo_seeds.py                       # seeds 1,2,1234 (the default's seed last)
     python bench/demo_seeds.py --seeds 1,2,3,4,1234  # more seeds; finished ones are kept
     python bench/demo_seeds.py --report-only         # the table of what finished
+    python bench/demo_seeds.py --out results/demo_kl --seeds 1,2,1234 --against results/demo \
+        algorithm.kl.coef=0.001 algorithm.kl.estimator=k3   # an arm, paired with the plain demo's seeds
+
+--against REF writes <out>/against.md: per seed the final held-out accuracy of this arm minus REF's
+(same seed, same fixed held-out problems), their mean with a 90% seed-level t-interval, a TOST
+equivalence test at ±5 points (--margin) and the verdict word of report/equivalence.py (equivalent,
+worse, better or not shown).
 
 A seed whose results/demo/seedN/summary.json exists is not run again (unless --rerun). Kept per seed
 (~150 KB): summary.json (eval/accuracy_start, eval/accuracy, eval/gained, eval/lost, eval/mcnemar_p,
@@ -25,6 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from megatron_fp8rl.report.equivalence import compare  # noqa: E402
+from megatron_fp8rl.report.study_figures import RunFigures  # noqa: E402
 KEPT = ("summary.json", "eval_correct.json", "config.yaml")
 
 
@@ -81,8 +91,7 @@ def seed_row(out: Path) -> tuple[str, float]:
 
 def write_table(results: Path) -> str:
     """results/table.md from every finished seed folder; returns its text."""
-    finished = sorted((p for p in results.glob("seed*") if (p / "run.json").exists()),
-                      key=lambda p: int(p.name[4:]))
+    finished = _finished(results)
     if not finished:
         raise SystemExit(f"[demo_seeds] no finished seed under {results}")
     rows, gains = zip(*(seed_row(p) for p in finished))
@@ -99,6 +108,40 @@ def write_table(results: Path) -> str:
     return text
 
 
+def _finished(results: Path) -> list[Path]:
+    return sorted((p for p in results.glob("seed*") if (p / "run.json").exists()), key=lambda p: int(p.name[4:]))
+
+
+def _final_eval(out: Path, arm: str) -> RunFigures:
+    """A finished seed's per-problem results of its last eval, as the equivalence analysis takes them."""
+    evals = json.loads((out / "eval_correct.json").read_text())
+    return RunFigures(arm, out.name[4:], {}, {}, [int(c) for c in evals[max(evals, key=int)]])
+
+
+def write_against(results: Path, reference: Path, margin: float) -> str:
+    """results/against.md: this arm against `reference` (another demo_seeds --out), seed by seed."""
+    arms = {"reference": [_final_eval(p, "reference") for p in _finished(reference)],
+            "arm": [_final_eval(p, "arm") for p in _finished(results)]}
+    (found,) = compare(arms, (("reference", "arm"),), margin, same_problems=True)
+    if not found.seeds:
+        raise SystemExit(f"[demo_seeds] no seed finished under both {results} and {reference}")
+    interval = found.interval
+    mean = (f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]" if interval
+            else f"{100 * found.differences[0]:+.1f} (1 seed pair, no interval)")
+    lines = [f"# {results.name} against {reference.name}: final held-out greedy accuracy", "",
+             f"Arm minus reference on the same seed, in points, over the seeds both finished; 90% seed-level "
+             f"t-interval; TOST at ±{100 * margin:.0f} points (the equivalence study's margin); one comparison, no "
+             f"correction. Written by `python bench/demo_seeds.py --out {results.relative_to(ROOT) if results.is_relative_to(ROOT) else results} "
+             f"--against {reference.relative_to(ROOT) if reference.is_relative_to(ROOT) else reference} --report-only`.", "",
+             "| seeds | per-seed difference, points | mean [90% CI] | TOST p | difference p | verdict |",
+             "|---|---|---|---|---|---|",
+             f"| {', '.join(found.seeds)} | {', '.join(f'{100 * d:+.1f}' for d in found.differences)} | {mean} "
+             f"| {found.tost_p:.3g} | {found.difference_p:.3g} | {found.verdict} |"]
+    text = "\n".join(lines) + "\n"
+    (results / "against.md").write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="1,2,1234")
@@ -107,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "demo")
     parser.add_argument("--rerun", action="store_true", help="run seeds that finished before again")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--against", type=Path, help="another arm's --out: pair this arm's seeds with its (against.md)")
+    parser.add_argument("--margin", type=float, default=0.05, help="the equivalence margin (accuracy, not points)")
     parser.add_argument("overrides", nargs="*", help="config overrides passed to every run")
     args = parser.parse_args(argv)
     if not args.report_only:
@@ -117,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             run_seed(seed, args.runs.resolve(), out, args.overrides)
     print(write_table(args.out))
+    if args.against is not None:
+        print(write_against(args.out.resolve(), args.against.resolve(), args.margin))
     return 0
 
 
