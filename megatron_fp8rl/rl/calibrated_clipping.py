@@ -247,7 +247,7 @@ def clip_diagnostic(ratio: torch.Tensor, shadow_ratio: torch.Tensor, advantages:
 @dataclass
 class ClipLimits:
     """Where calibrated bounds may go: low in [low_min, low_max], high in [high_min, high_max].
-    The run config holds it as algorithm.calibration.limits (trainer/config.py checks it against
+    The run config holds it as algorithm.calibration.limits (trainer/algorithm_config.py checks it against
     the configured clip interval); not frozen, so that the config loader can fill it."""
 
     low_min: float = 0.5

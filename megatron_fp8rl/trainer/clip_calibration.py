@@ -46,7 +46,7 @@ from megatron_fp8rl.rl.calibrated_clipping import (
     clip_diagnostic,
 )
 from megatron_fp8rl.rl.losses import sequence_ratio, token_ratio
-from megatron_fp8rl.trainer.config import AlgorithmConfig
+from megatron_fp8rl.trainer.algorithm_config import AlgorithmConfig
 
 
 class ClipCalibrator:

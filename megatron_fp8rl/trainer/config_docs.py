@@ -124,7 +124,7 @@ def config_markdown(schema: type = RunConfig) -> str:
     """The configuration page of `schema`: a header, then per section its docstring and its table."""
     lines = ["# Configuration", "",
              f"Every key of `megatron-fp8rl train`'s config, generated from the field docstrings of "
-             f"`megatron_fp8rl/trainer/config.py` and the sections it nests. Do not edit by hand; "
+             f"`megatron_fp8rl/trainer/config.py` and the sections it nests (`algorithm`: `megatron_fp8rl/trainer/algorithm_config.py`). Do not edit by hand; "
              f"regenerate with `{COMMAND}`.", "",
              "Set a key in the YAML file (`examples/cpu_demo.yaml`) or as a dotted override after it "
              "(`train.steps=20`); later overrides win. An unknown key, a wrong type or a bad value is "

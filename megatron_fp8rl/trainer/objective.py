@@ -42,7 +42,7 @@ from megatron_fp8rl.rl.noise import (
     widened_clip,
 )
 from megatron_fp8rl.trainer.batch import RolloutBatch
-from megatron_fp8rl.trainer.config import AlgorithmConfig
+from megatron_fp8rl.trainer.algorithm_config import AlgorithmConfig
 
 
 def noise_levels(algo: AlgorithmConfig) -> tuple[float, ...]:

@@ -24,7 +24,8 @@ from megatron_fp8rl.rl.kl import VERL_NAMES as KL_ESTIMATORS
 from megatron_fp8rl.rl.kl import kl_estimate, kl_metrics, sequence_kl_penalty
 from megatron_fp8rl.trainer.actor import MegatronActor, batch_logprobs, convert_initial_checkpoint, load_weights_only
 from megatron_fp8rl.trainer.batch import RolloutBatch
-from megatron_fp8rl.trainer.config import KLConfig, ModelConfig
+from megatron_fp8rl.trainer.algorithm_config import KLConfig
+from megatron_fp8rl.trainer.config import ModelConfig
 
 ARCHITECTURE_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
                        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

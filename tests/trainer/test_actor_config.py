@@ -115,7 +115,8 @@ def test_the_actor_takes_a_serving_plan_for_its_own_recipe(tmp_path):
     """Refused before any file is read or model built: a mode string (the old `rollout_fp8`
     argument), and a plan made for another model.fp8."""
     from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
-    from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
+    from megatron_fp8rl.trainer.algorithm_config import AlgorithmConfig
+    from megatron_fp8rl.trainer.config import ModelConfig, TrainConfig
 
     objective = Objective(AlgorithmConfig(), max_response_length=8)
     model_cfg = ModelConfig(hf_path=str(tmp_path / "absent"), fp8="calibrated")

@@ -14,7 +14,8 @@ import torch
 from megatron_fp8rl.fp8.serving import RolloutFp8, plan_for
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.fp8_observation import calibration_forward
-from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
+from megatron_fp8rl.trainer.algorithm_config import AlgorithmConfig
+from megatron_fp8rl.trainer.config import ModelConfig, TrainConfig
 from megatron_fp8rl.trainer.objective import Objective
 from tests.helpers.megatron_models import converted_tiny_llama
 from tests.helpers.processes import run_torchrun

@@ -16,7 +16,8 @@ from megatron_fp8rl.rl.advantages import grpo_advantages
 from megatron_fp8rl.rollout.engine import RolloutSample
 from megatron_fp8rl.trainer.actor import MegatronActor
 from megatron_fp8rl.trainer.batch import build_batch
-from megatron_fp8rl.trainer.config import AlgorithmConfig, KLConfig, ModelConfig, RunConfig, TrainConfig
+from megatron_fp8rl.trainer.algorithm_config import AlgorithmConfig, KLConfig
+from megatron_fp8rl.trainer.config import ModelConfig, RunConfig, TrainConfig
 from megatron_fp8rl.trainer.objective import Objective
 from megatron_fp8rl.trainer.reference import ReferenceMismatchError, ReferencePolicy, build_reference
 from megatron_fp8rl.trainer.rl_step import StepContext, _make_batch, _with_reference

@@ -44,7 +44,8 @@ def check(folder: Path, tag: str, fp8: str) -> None:
     import torch.distributed as dist
 
     from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
-    from megatron_fp8rl.trainer.config import AlgorithmConfig, ModelConfig, TrainConfig
+    from megatron_fp8rl.trainer.algorithm_config import AlgorithmConfig
+    from megatron_fp8rl.trainer.config import ModelConfig, TrainConfig
     from megatron_fp8rl.trainer.objective import Objective
 
     init = convert_initial_checkpoint(folder / "hf", folder / f"init_{tag}")

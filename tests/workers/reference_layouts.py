@@ -30,7 +30,8 @@ def check(workdir: Path, tag: str) -> None:
     from megatron.core import parallel_state
 
     from megatron_fp8rl.trainer.actor import MegatronActor, convert_initial_checkpoint
-    from megatron_fp8rl.trainer.config import AlgorithmConfig, KLConfig, ModelConfig, TrainConfig
+    from megatron_fp8rl.trainer.algorithm_config import AlgorithmConfig, KLConfig
+    from megatron_fp8rl.trainer.config import ModelConfig, TrainConfig
     from megatron_fp8rl.trainer.objective import Objective
     from megatron_fp8rl.trainer.reference import build_reference
 
