@@ -72,10 +72,10 @@ def run_seed(seed: int, runs: Path, out: Path, extra: list[str]) -> None:
     (out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def eval_size(out: Path) -> int:
-    """How many held-out problems a finished seed was scored on (its last eval's per-problem list)."""
+def last_eval(out: Path) -> list[int]:
+    """A finished seed's per-problem correctness (0/1) of its last eval (eval_correct.json)."""
     evals = json.loads((out / "eval_correct.json").read_text())
-    return len(evals[max(evals, key=int)])
+    return [int(correct) for correct in evals[max(evals, key=int)]]
 
 
 def seed_row(out: Path) -> tuple[str, float]:
@@ -95,7 +95,7 @@ def write_table(results: Path) -> str:
     if not finished:
         raise SystemExit(f"[demo_seeds] no finished seed under {results}")
     rows, gains = zip(*(seed_row(p) for p in finished))
-    sizes = sorted({eval_size(p) for p in finished})
+    sizes = sorted({len(last_eval(p)) for p in finished})
     if len(sizes) > 1:
         raise SystemExit(f"[demo_seeds] the seeds under {results} were scored on different held-out sets "
                          f"({sizes} problems): rerun the older ones (--rerun --seeds ...)")
@@ -113,9 +113,13 @@ def _finished(results: Path) -> list[Path]:
 
 
 def _final_eval(out: Path, arm: str) -> RunFigures:
-    """A finished seed's per-problem results of its last eval, as the equivalence analysis takes them."""
-    evals = json.loads((out / "eval_correct.json").read_text())
-    return RunFigures(arm, out.name[4:], {}, {}, [int(c) for c in evals[max(evals, key=int)]])
+    """A finished seed's last eval as the equivalence analysis takes it."""
+    return RunFigures(arm, out.name[4:], {}, {}, last_eval(out))
+
+
+def _shown(path: Path) -> Path:
+    """`path` as the command line names it: relative to the checkout where it lies inside it."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
 def write_against(results: Path, reference: Path, margin: float) -> str:
@@ -131,8 +135,8 @@ def write_against(results: Path, reference: Path, margin: float) -> str:
     lines = [f"# {results.name} against {reference.name}: final held-out greedy accuracy", "",
              f"Arm minus reference on the same seed, in points, over the seeds both finished; 90% seed-level "
              f"t-interval; TOST at ±{100 * margin:.0f} points (the equivalence study's margin); one comparison, no "
-             f"correction. Written by `python bench/demo_seeds.py --out {results.relative_to(ROOT) if results.is_relative_to(ROOT) else results} "
-             f"--against {reference.relative_to(ROOT) if reference.is_relative_to(ROOT) else reference} --report-only`.", "",
+             f"correction. Written by `python bench/demo_seeds.py --out {_shown(results)} "
+             f"--against {_shown(reference)} --report-only`.", "",
              "| seeds | per-seed difference, points | mean [90% CI] | TOST p | difference p | verdict |",
              "|---|---|---|---|---|---|",
              f"| {', '.join(found.seeds)} | {', '.join(f'{100 * d:+.1f}' for d in found.differences)} | {mean} "

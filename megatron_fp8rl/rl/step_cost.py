@@ -16,7 +16,8 @@ trainer runs them (trainer/actor.py `update`, trainer/rl_step.py `_recompute_nee
 - shadow      high-precision forwards. gate (calibration.mode=gate): log π_old of every mini-batch
               before the first optimizer step, and log π_θ of each later one just before it trains,
               (M + M - 1)/M = (2M - 1)/M a gated step; with calibration.gate_every = k one step in k
-              is gated, (2M - 1)/(M·k) a step on average (k = 9 at M = 4: 0.194, 4.9%). shadow (the paper's Calibrated Clipping) and monitor:
+              is gated, (2M - 1)/(M·k) a step on average (k = 9 at M = 4: 0.194, 4.9%). shadow
+              (the paper's Calibrated Clipping) and monitor:
               on a calibrating step (every `calibration.every` steps) log π_old and log π_θ of one
               mini-batch m*, 2/M (M >= 2; at M = 1 both are the one forward at θ_old: 1), averaged
               over steps: that / every. monitor only measures (the stability study's diagnostic), so
@@ -119,7 +120,8 @@ def step_shape(values: Mapping[str, object]) -> StepShape:
     gemm = "fp8" if fp8 != "none" else {"bfloat16": "bf16", "float32": "float32"}.get(dtype)
     if gemm is None:
         raise StepCostError(f"model.dtype {dtype!r} with model.fp8=none: expected bfloat16 or float32")
-    gate_every = int(values.get("algorithm.calibration.gate_every", OPTIONAL_STEP_SHAPE_KEYS["algorithm.calibration.gate_every"]))
+    key = "algorithm.calibration.gate_every"
+    gate_every = int(values.get(key, OPTIONAL_STEP_SHAPE_KEYS[key]))
     return StepShape(mini_batches, mode, int(values["algorithm.calibration.every"]), recompute, gemm, gate_every)
 
 
